@@ -1,0 +1,106 @@
+"""One benchmark, from a `BenchConfig`: warm up, then run each rate (or the closed loop).
+
+Every rate of a sweep replays the same seeded workload and arrival schedule (only the
+request ids differ), so rates differ in load alone. Warmup requests come from a separate
+seed and run before the measured clock starts, so changing `warmup` does not change the
+measured workload.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pdserve.bench.backends import Backend, GrpcBackend, OpenAIBackend, SamplingConfig
+from pdserve.bench.loadgen import LoadConfig, Progress, drive
+from pdserve.bench.metrics import SLO, Summary, SweepPoint, distserve_goodput, summarize_run
+from pdserve.bench.record import RequestRecord
+from pdserve.bench.workload import WorkloadConfig, build_workload, take
+
+BACKENDS = ("grpc", "openai")
+WARMUP_SEED_OFFSET = 1_000_003  # any constant: keeps warmup prompts apart from measured ones
+
+
+@dataclass(slots=True)
+class BenchConfig:
+    backend: str = "grpc"
+    target: str = "127.0.0.1:50051"  # grpc: host:port
+    base_url: str = "http://127.0.0.1:8000"  # openai
+    model_name: str | None = None  # openai: unset asks /v1/models
+    workload: WorkloadConfig = field(default_factory=WorkloadConfig)
+    # Open loop at each of these rates; empty: closed loop at `concurrency`.
+    rates_rps: list[float] = field(default_factory=list)
+    concurrency: int | None = None
+    burstiness: float = 1.0
+    num_requests: int | None = 100
+    duration_s: float | None = None
+    warmup: int = 2
+    seed: int = 0
+    slo: SLO = field(default_factory=SLO)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend {self.backend!r}: want one of {', '.join(BACKENDS)}")
+        if any(r <= 0 for r in self.rates_rps):
+            raise ValueError(f"request rates must be > 0, got {self.rates_rps}")
+        # Validates the rate/concurrency/length combination once, before any server work.
+        self.loads()
+
+    def loads(self) -> list[LoadConfig]:
+        rates: list[float | None] = list(self.rates_rps) or [None]
+        return [LoadConfig(rate, self.concurrency, self.burstiness, self.num_requests,
+                           self.duration_s, self.seed) for rate in rates]
+
+
+@dataclass(slots=True)
+class RunResult:
+    load: LoadConfig
+    summary: Summary
+    records: list[RequestRecord]
+
+
+@dataclass(slots=True)
+class BenchResult:
+    config: BenchConfig
+    runs: list[RunResult]
+
+    @property
+    def is_sweep(self) -> bool:
+        return len(self.runs) > 1 and all(r.load.rate_rps is not None for r in self.runs)
+
+    def distserve_goodput_rps(self) -> float | None:
+        if not all(r.load.rate_rps is not None for r in self.runs):
+            return None
+        return distserve_goodput([SweepPoint(r.load.rate_rps, r.summary.slo_attainment)
+                                  for r in self.runs])
+
+
+def make_backend(cfg: BenchConfig) -> Backend:
+    if cfg.backend == "grpc":
+        return GrpcBackend(cfg.target, cfg.sampling)
+    return OpenAIBackend(cfg.base_url, cfg.sampling, cfg.model_name)
+
+
+async def warm_up(backend: Backend, cfg: BenchConfig) -> None:
+    """Sends `cfg.warmup` requests at once and drops their records (errors included:
+    a server that fails them will fail the measured ones visibly)."""
+    if cfg.warmup <= 0:
+        return
+    specs = take(build_workload(cfg.workload, cfg.seed + WARMUP_SEED_OFFSET, "warmup-"),
+                 cfg.warmup)
+    await drive(backend, iter(specs), LoadConfig(concurrency=len(specs),
+                                                 num_requests=len(specs)))
+
+
+async def run_bench(cfg: BenchConfig) -> BenchResult:
+    runs = []
+    async with make_backend(cfg) as backend:
+        await warm_up(backend, cfg)
+        for i, load in enumerate(cfg.loads()):
+            requests = build_workload(cfg.workload, cfg.seed, id_prefix=f"run{i}-")
+            progress = Progress(load.num_requests, load.describe())
+            records = await drive(backend, requests, load, progress)
+            progress.close()
+            runs.append(RunResult(load, summarize_run(records, cfg.slo), records))
+    return BenchResult(cfg, runs)
+

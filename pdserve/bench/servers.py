@@ -1,0 +1,194 @@
+"""Starting and stopping the servers under test (``pdserve up``, vLLM's OpenAI server).
+
+A server runs in its own session (process group), its output teed to a log file. Ready
+means either a log line that matches (pdserve prints "ready" with its address) or an
+HTTP health URL that answers 200 (vLLM's ``/health``). Stopping sends SIGTERM to the
+group, waits, then SIGKILLs what is left, including descendants that moved to a session
+of their own: each benchmark must start on an idle machine, and a leftover engine would
+hold cores and memory through the next system's run.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+class ServerError(RuntimeError):
+    """The server under test did not start or answer; the message says what it printed."""
+
+
+@dataclass(slots=True)
+class ServerSpec:
+    name: str
+    argv: list[str]
+    env: dict[str, str] = field(default_factory=dict)  # on top of the inherited environment
+    ready_pattern: str | None = None  # regex searched in each output line
+    health_url: str | None = None
+    boot_timeout_s: float = 600.0
+    stop_grace_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if (self.ready_pattern is None) == (self.health_url is None):
+            raise ValueError(f"{self.name}: give exactly one of ready_pattern and health_url")
+
+
+def free_port() -> int:
+    """A port the kernel just handed out; free unless another process races for it."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live process below `pid`, from /proc (sessions and groups do not matter)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue  # exited while we looked
+        # The command name may hold spaces and parentheses; fields resume after the last ')'.
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        children.setdefault(ppid, []).append(int(entry.name))
+    found, stack = [], [pid]
+    while stack:
+        for child in children.get(stack.pop(), []):
+            found.append(child)
+            stack.append(child)
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a zombie is dead for our purposes; its parent reaps it
+        return (Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]) != "Z"
+    except OSError:
+        return False
+
+
+class ServerProcess:
+    """A running server; use as a context manager: enter waits for ready, exit stops it."""
+
+    def __init__(self, spec: ServerSpec, log_path: Path) -> None:
+        self.spec = spec
+        self.log_path = log_path
+        self.boot_s: float | None = None
+        self._proc: subprocess.Popen[str] | None = None
+        self._ready = threading.Event()
+        self._tail: deque[str] = deque(maxlen=30)
+        self._pump_thread: threading.Thread | None = None
+
+    def __enter__(self) -> ServerProcess:
+        self.start()
+        try:
+            self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._started = time.monotonic()
+        self._proc = subprocess.Popen(
+            self.spec.argv, env={**os.environ, **self.spec.env}, stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+            start_new_session=True)
+        self._pump_thread = threading.Thread(target=self._pump, daemon=True)
+        self._pump_thread.start()
+
+    def _pump(self) -> None:
+        assert self._proc is not None and self._proc.stdout is not None
+        pattern = re.compile(self.spec.ready_pattern) if self.spec.ready_pattern else None
+        with self.log_path.open("w") as log:
+            for line in self._proc.stdout:
+                log.write(line)
+                log.flush()
+                self._tail.append(line.rstrip())
+                if pattern is not None and pattern.search(line):
+                    self._ready.set()
+
+    def _healthy(self) -> bool:
+        assert self.spec.health_url is not None
+        try:
+            with urllib.request.urlopen(self.spec.health_url, timeout=2) as resp:
+                return resp.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def wait_ready(self) -> None:
+        assert self._proc is not None
+        deadline = self._started + self.spec.boot_timeout_s
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:
+                raise ServerError(f"{self.spec.name} exited with {self._proc.returncode} before "
+                                  f"it was ready; log {self.log_path}:\n" + self.tail())
+            if self.spec.ready_pattern is not None:
+                if self._ready.wait(0.5):
+                    break
+            elif self._healthy():
+                break
+            else:
+                time.sleep(1.0)
+        else:
+            raise ServerError(f"{self.spec.name} not ready after {self.spec.boot_timeout_s:.0f} "
+                              f"s; log {self.log_path}:\n" + self.tail())
+        self.boot_s = time.monotonic() - self._started
+
+    def tail(self) -> str:
+        return "\n".join(self._tail)
+
+    def stop(self) -> None:
+        """SIGTERM the group, wait `stop_grace_s`, then SIGKILL every survivor."""
+        proc = self._proc
+        if proc is None:
+            return
+        family = [proc.pid, *descendants(proc.pid)]
+        if proc.poll() is None:
+            _signal_group(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(self.spec.stop_grace_s)
+        except subprocess.TimeoutExpired:
+            _signal_group(proc.pid, signal.SIGKILL)
+            proc.wait()
+        # Children outlive a leader that exits first; give them the rest of the grace.
+        deadline = time.monotonic() + self.spec.stop_grace_s
+        while (survivors := [p for p in family if _alive(p)]) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        for pid in survivors:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        _signal_group(proc.pid, signal.SIGKILL)  # anything forked since we listed
+        if self._pump_thread is not None:
+            self._pump_thread.join(timeout=5)
+        self._proc = None
+
+
+def _signal_group(pgid: int, sig: signal.Signals) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        pass

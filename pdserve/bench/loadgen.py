@@ -41,6 +41,8 @@ class LoadConfig:
             raise ValueError("give a request rate (open loop) or a concurrency (closed loop)")
         if self.num_requests is None and self.duration_s is None:
             raise ValueError("give a number of requests or a duration")
+        if self.rate_rps == float("inf") and self.num_requests is None:
+            raise ValueError("an infinite request rate needs a number of requests")
         if self.concurrency is not None and self.concurrency < 1:
             raise ValueError(f"concurrency must be >= 1, got {self.concurrency}")
 

@@ -6,7 +6,8 @@ kv_connector_module_path="kvtransfer.connector", kv_role=..., kv_connector_extra
 ``SamplingParams.extra_args["kv_transfer_params"]``:
 
 - ``{"pdserve_save": location}`` on a producer: when the prompt's prefill completes, its
-  blocks are published under ``location``;
+  blocks are published under ``location``, and the finished request's
+  ``RequestOutput.kv_transfer_params`` carries ``{"pdserve_handle": KVHandle.to_dict()}``;
 - ``{"pdserve_load": KVHandle.to_dict()}`` on a consumer: the handle's tokens are loaded into
   the request's blocks instead of being computed.
 
@@ -44,7 +45,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvtransfer import metrics
-from kvtransfer.layout import KVHandle, KVLayout
+from kvtransfer.layout import KVHandle, KVLayout, expected_layout
 from kvtransfer.transport import KVTransferError, KVTransport, transport_class
 
 if TYPE_CHECKING:
@@ -60,6 +61,8 @@ logger = logging.getLogger(__name__)
 
 SAVE_KEY = "pdserve_save"
 LOAD_KEY = "pdserve_load"
+# In RequestOutput.kv_transfer_params of a producer's finished request: the saved KV's handle.
+HANDLE_KEY = "pdserve_handle"
 
 
 @dataclass(slots=True)
@@ -100,11 +103,14 @@ class PdConnector(KVConnectorBase_V1):
         extra = self._kv_transfer_config.kv_connector_extra_config or {}
         self._block_size = vllm_config.cache_config.block_size
         self._transport_cls = transport_class(extra.get("transport", "shm"))
+        self._extra_config = dict(extra)
         self._producer_id = str(extra.get("producer_id", self._kv_transfer_config.engine_id))
+        self._layout = expected_layout(vllm_config)
         # Scheduler half.
         self._pending_saves: dict[str, tuple[Request, str]] = {}
         self._pending_loads: dict[str, LoadSpec] = {}
         self._num_external_tokens: dict[str, int] = {}
+        self._saved: dict[str, KVHandle] = {}
         # Worker half.
         self._layers: list[torch.Tensor] = []
         self._transport: KVTransport | None = None
@@ -163,6 +169,13 @@ class PdConnector(KVConnectorBase_V1):
             meta.saves.append(
                 SaveSpec(request_id, location, list(block_ids), request.num_prompt_tokens)
             )
+            self._saved[request_id] = KVHandle(
+                transport=self._transport_cls.name,
+                location=location,
+                num_tokens=request.num_prompt_tokens,
+                layout=self._layout,
+                producer_id=self._producer_id,
+            )
             del self._pending_saves[request_id]
         return meta
 
@@ -172,6 +185,9 @@ class PdConnector(KVConnectorBase_V1):
         self._pending_saves.pop(request.request_id, None)
         self._pending_loads.pop(request.request_id, None)
         num_external = self._num_external_tokens.pop(request.request_id, 0)
+        saved = self._saved.pop(request.request_id, None)
+        if saved is not None:
+            return False, {HANDLE_KEY: saved.to_dict()}
         if _load_handle(request) is None:
             return False, None
         return False, {"num_external_tokens": num_external}
@@ -187,8 +203,8 @@ class PdConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._layers = list(kv_caches.values())
         layout = KVLayout.from_kv_caches(self._layers)
-        assert layout.block_size == self._block_size, (layout, self._block_size)
-        self._transport = self._transport_cls(layout, self._producer_id)
+        assert layout == self._layout, f"engine allocated {layout}, expected {self._layout}"
+        self._transport = self._transport_cls(layout, self._producer_id, self._extra_config)
         logger.info("PdConnector ready: transport=%s layout=%s", self._transport.name, layout)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:

@@ -117,3 +117,22 @@ class KVHandle:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> KVHandle:
         return cls(**{**d, "layout": KVLayout.from_dict(d["layout"])})
+
+
+def expected_layout(vllm_config: Any) -> KVLayout:
+    """The layout an engine with this config allocates, known before it allocates it.
+
+    The CPU attention backend stores K and V side by side per token (entry = 2 x head size).
+    The connector's worker half checks this against the tensors it is handed.
+    """
+    model_config = vllm_config.model_config
+    parallel_config = vllm_config.parallel_config
+    cache_dtype = vllm_config.cache_config.cache_dtype
+    dtype = model_config.dtype if cache_dtype in (None, "auto") else cache_dtype
+    return KVLayout(
+        num_layers=model_config.get_num_layers(parallel_config),
+        block_size=vllm_config.cache_config.block_size,
+        num_kv_heads=model_config.get_num_kv_heads(parallel_config),
+        entry_size=2 * model_config.get_head_size(),
+        dtype=str(dtype).removeprefix("torch."),
+    )

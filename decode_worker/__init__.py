@@ -1,0 +1,2 @@
+"""Decode tier: a vLLM engine (KV consumer) running continuous batching on prompts whose
+KV arrived from a prefill worker."""

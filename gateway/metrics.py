@@ -1,0 +1,32 @@
+"""The gateway's Prometheus metrics; vLLM's names where the concept is the same."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+
+REQUESTS = Counter("pdserve_requests", "Finished Generate calls, by gRPC status code.", ["code"])
+INFLIGHT = Gauge("pdserve_requests_inflight", "Generate calls in progress at the gateway.")
+WORKERS_READY = Gauge("pdserve_workers_ready", "Routable workers, by tier.", ["role"])
+TTFT = Histogram(
+    "vllm:time_to_first_token_seconds",
+    "Time from request arrival at the gateway to its first token leaving it.",
+    buckets=LATENCY_BUCKETS,
+)
+E2E = Histogram(
+    "vllm:e2e_request_latency_seconds",
+    "Time from request arrival at the gateway to its last token leaving it.",
+    buckets=LATENCY_BUCKETS,
+)
+ITL = Histogram(
+    "vllm:inter_token_latency_seconds",
+    "Time between streamed messages, per token.",
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5),
+)
+PROMPT_TOKENS = Counter("vllm:prompt_tokens", "Prompt tokens of finished requests.")
+GENERATION_TOKENS = Counter("vllm:generation_tokens", "Tokens generated for finished requests.")
+KV_HANDOFF_TOKENS = Counter(
+    "pdserve_kv_handoff_tokens",
+    "Prompt tokens whose KV the decode tier received from the prefill tier instead of computing.",
+)

@@ -1,0 +1,262 @@
+"""The gateway's gRPC server: pdserve.v1.Generation on grpc.aio + uvloop.
+
+A Generate call:
+  1. Validate: parse_request (INVALID_ARGUMENT names the field).
+  2. Admit: at most max_inflight calls at once, else RESOURCE_EXHAUSTED.
+  3. Tokenize in the process pool (chat template for messages); check the model's limits.
+  4. Prefill on the least-loaded prefill worker: the first token and a KV handle.
+  5. Stream the first token; then Decode on the least-loaded decode worker with the handle,
+     streaming detokenized text, cutting at stop strings, until a finish reason.
+A call that ends between 4 and 5 releases the handle so the prefill side frees the blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import grpc
+
+from gateway import metrics
+from gateway.request import Job, check_prompt_fits, parse_request
+from gateway.text import Detokenizer, StopMatcher, decode_delta
+from gateway.tokenizer_pool import TokenizerPool
+from gateway.workers import Worker, WorkerPool
+from pdserve import rpc
+from pdserve.config import GatewayConfig
+from pdserve.logs import setup_logging
+from protos import generation_pb2, generation_pb2_grpc, worker_pb2
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME = "pdserve.v1.Generation"
+DRAIN_GRACE_S = 10.0
+
+
+@dataclass(slots=True)
+class Stream:
+    """One call's output state: detokenizer offsets, stop strings, counts, timings."""
+
+    job: Job
+    num_prompt_tokens: int
+    detok: Detokenizer = field(default_factory=Detokenizer)
+    stop: StopMatcher = field(init=False)
+    started: float = field(default_factory=time.monotonic)
+    last_sent: float | None = None
+    num_generated: int = 0
+
+    def __post_init__(self) -> None:
+        self.stop = StopMatcher(self.job.sampling.stop)
+
+
+class GenerationServicer(generation_pb2_grpc.GenerationServicer):
+    def __init__(self, cfg: GatewayConfig, workers: WorkerPool, tokenizers: TokenizerPool) -> None:
+        self._cfg = cfg
+        self._workers = workers
+        self._tokenizers = tokenizers
+        self._num_inflight = 0
+
+    async def Generate(self, request, context) -> AsyncIterator[generation_pb2.GenerateResponse]:
+        code = grpc.StatusCode.OK
+        try:
+            async for reply in self._generate(request, context):
+                yield reply
+        except asyncio.CancelledError:
+            code = grpc.StatusCode.CANCELLED
+            raise
+        finally:
+            if code == grpc.StatusCode.OK and context.code() is not None:
+                code = context.code()
+            metrics.REQUESTS.labels(code.name).inc()
+
+    @rpc.rpc_errors
+    async def _generate(self, request, context):
+        job = parse_request(request)
+        if self._num_inflight >= self._cfg.max_inflight:
+            raise rpc.ResourceExhausted(
+                f"{self._num_inflight} requests in flight, the limit is {self._cfg.max_inflight}; retry with backoff"
+            )
+        self._num_inflight += 1
+        metrics.INFLIGHT.set(self._num_inflight)
+        try:
+            async for reply in self._run(job):
+                yield reply
+        finally:
+            self._num_inflight -= 1
+            metrics.INFLIGHT.set(self._num_inflight)
+
+    async def _run(self, job: Job) -> AsyncIterator[generation_pb2.GenerateResponse]:
+        info = self._workers.model_info()
+        if info is None or not self._workers.ready():
+            raise rpc.Unavailable("no prefill or no decode worker is ready; retry shortly")
+        prompt_ids = await self._tokenize(job)
+        check_prompt_fits(prompt_ids, job.sampling, info.max_model_len, info.vocab_size)
+        stream = Stream(job, len(prompt_ids))
+        prefill = await self._call_prefill(job, prompt_ids)
+        first = prefill.first_token_id
+        if prefill.finish_reason or job.sampling.max_tokens == 1:
+            yield await self._reply(stream, [first], prefill.finish_reason or "length")
+            return
+        reply = await self._reply(stream, [first], "")
+        decoding = False
+        try:
+            yield reply
+            if stream.stop.stopped:
+                return
+            decoding = True
+            async for reply in self._decode(job, stream, prompt_ids + [first], prefill.kv):
+                yield reply
+        finally:
+            if not decoding:
+                self._release(prefill.kv)
+
+    async def _tokenize(self, job: Job) -> list[int]:
+        if job.token_ids is not None:
+            return list(job.token_ids)
+        try:
+            if job.messages is not None:
+                return await self._tokenizers.encode_chat(job.messages)
+            return await self._tokenizers.encode_text(job.prompt)
+        except (ValueError, TypeError) as e:  # template errors: the caller's input
+            raise rpc.InvalidArgument(f"cannot tokenize the input: {e}") from e
+
+    async def _call_prefill(self, job: Job, prompt_ids: list[int]) -> worker_pb2.PrefillResponse:
+        worker = self._pick("prefill")
+        worker.num_inflight += 1
+        try:
+            return await worker.stub.Prefill(
+                worker_pb2.PrefillRequest(
+                    request_id=job.request_id,
+                    token_ids=prompt_ids,
+                    sampling=job.sampling.to_engine(job.sampling.max_tokens),
+                )
+            )
+        finally:
+            worker.num_inflight -= 1
+
+    async def _decode(self, job: Job, stream: Stream, token_ids: list[int], kv: worker_pb2.KvHandle):
+        worker = self._pick("decode")
+        worker.num_inflight += 1
+        call = worker.stub.Decode(
+            worker_pb2.DecodeRequest(
+                request_id=job.request_id,
+                token_ids=token_ids,
+                sampling=job.sampling.to_engine(job.sampling.max_tokens - 1),
+                kv=kv,
+            )
+        )
+        try:
+            async for chunk in call:
+                reply = await self._reply(stream, list(chunk.token_ids), chunk.finish_reason)
+                if chunk.finish_reason:
+                    metrics.KV_HANDOFF_TOKENS.inc(chunk.num_external_tokens)
+                yield reply
+                if reply.finish_reason:
+                    return
+            raise rpc.Unavailable(f"decode worker {worker.address} ended the stream without finishing")
+        finally:
+            call.cancel()
+            worker.num_inflight -= 1
+
+    async def _reply(self, stream: Stream, new_ids: list[int], finish_reason: str) -> generation_pb2.GenerateResponse:
+        ids, read_offset = stream.detok.window(new_ids)
+        final = bool(finish_reason)
+        prefix_text, full_text = await self._tokenizers.decode_pair(ids, read_offset)
+        delta = stream.detok.advance(decode_delta(prefix_text, full_text, final))
+        text = stream.stop.feed(delta)
+        if stream.stop.stopped:
+            finish_reason = "stop"
+        elif finish_reason:
+            text += stream.stop.flush()
+        stream.num_generated += len(new_ids)
+        reply = generation_pb2.GenerateResponse(
+            request_id=stream.job.request_id, text=text, token_ids=new_ids, finish_reason=finish_reason
+        )
+        self._observe(stream, len(new_ids))
+        if finish_reason:
+            reply.usage.prompt_tokens = stream.num_prompt_tokens
+            reply.usage.completion_tokens = stream.num_generated
+            metrics.E2E.observe(time.monotonic() - stream.started)
+            metrics.PROMPT_TOKENS.inc(stream.num_prompt_tokens)
+            metrics.GENERATION_TOKENS.inc(stream.num_generated)
+        return reply
+
+    def _observe(self, stream: Stream, num_tokens: int) -> None:
+        now = time.monotonic()
+        if stream.last_sent is None:
+            metrics.TTFT.observe(now - stream.started)
+        elif num_tokens:
+            gap = (now - stream.last_sent) / num_tokens
+            for _ in range(num_tokens):
+                metrics.ITL.observe(gap)
+        stream.last_sent = now
+
+    def _pick(self, role: str) -> Worker:
+        worker = self._workers.pick(role)
+        if worker is None:
+            raise rpc.Unavailable(f"no {role} worker is ready; retry shortly")
+        return worker
+
+    def _release(self, kv: worker_pb2.KvHandle) -> None:
+        """Frees an unused handoff now rather than at lease expiry (best effort)."""
+        for worker in self._workers.tier("prefill"):
+            if worker.info is not None and worker.info.worker_id == kv.producer_id:
+                asyncio.ensure_future(_quiet(worker.stub.Release(worker_pb2.ReleaseRequest(kv=kv), timeout=5)))
+
+
+async def _quiet(call) -> None:
+    try:
+        await call
+    except grpc.aio.AioRpcError as e:
+        logger.warning("releasing a KV handle failed: %s", e.details())
+
+
+async def _poll_workers(workers: WorkerPool, health, interval_s: float) -> None:
+    was_ready = None
+    while True:
+        await workers.poll_once()
+        ready = workers.ready()
+        for role in ("prefill", "decode"):
+            metrics.WORKERS_READY.labels(role).set(sum(w.routable for w in workers.tier(role)))
+        if ready != was_ready:
+            await rpc.set_serving(health, [SERVICE_NAME], ready)
+            logger.info("gateway %s", "SERVING" if ready else "NOT_SERVING: waiting for workers")
+            was_ready = ready
+        await asyncio.sleep(interval_s)
+
+
+async def serve(cfg: GatewayConfig) -> None:
+    from prometheus_client import start_http_server
+
+    tokenizers = TokenizerPool(cfg.model, cfg.tokenizer_workers)
+    await tokenizers.start()
+    workers = WorkerPool.connect(cfg.prefill_addrs, cfg.decode_addrs)
+    server = grpc.aio.server(options=rpc.CHANNEL_OPTIONS)
+    generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(cfg, workers, tokenizers), server)
+    health = rpc.add_standard_services(server, [SERVICE_NAME])
+    port = rpc.bind(server, cfg.host, cfg.port)
+    if cfg.metrics_port is not None:
+        start_http_server(cfg.metrics_port, addr=cfg.host)
+    await server.start()
+    poller = asyncio.create_task(_poll_workers(workers, health, cfg.poll_interval_s))
+    logger.info("gateway listening on %s:%d", cfg.host, port)
+    print(f"READY {cfg.host}:{port}", flush=True)
+    stop = rpc.stop_event_on_signals()
+    await stop.wait()
+    poller.cancel()
+    await rpc.set_serving(health, [SERVICE_NAME], False)
+    await server.stop(DRAIN_GRACE_S)
+    await workers.close()
+    tokenizers.close()
+    logger.info("stopped")
+
+
+def main(cfg: GatewayConfig) -> int:
+    import uvloop
+
+    setup_logging("gateway", json_logs=cfg.json_logs)
+    uvloop.run(serve(cfg))
+    return 0

@@ -1,0 +1,73 @@
+"""Tokenization and detokenization in worker processes, outside the gateway's GIL.
+
+Each pool process loads the model's tokenizer once (the pool initializer); the functions
+below run there. The pool uses the 'spawn' start method: forking a process that already
+runs gRPC threads is unsafe.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+from concurrent.futures import ProcessPoolExecutor
+
+# Set once per pool process by _init; never touched in the gateway process.
+_tokenizer = None
+
+
+def _init(model: str) -> None:
+    global _tokenizer
+    from transformers import AutoTokenizer
+
+    _tokenizer = AutoTokenizer.from_pretrained(model)
+
+
+def _encode_text(text: str) -> list[int]:
+    return _tokenizer.encode(text)
+
+
+def _encode_chat(messages: tuple[tuple[str, str], ...]) -> list[int]:
+    conversation = [{"role": role, "content": content} for role, content in messages]
+    # The template writes the special tokens itself.
+    text = _tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+    return _tokenizer.encode(text, add_special_tokens=False)
+
+
+def _decode_pair(ids: list[int], read_offset: int) -> tuple[str, str]:
+    prefix = _tokenizer.decode(ids[:read_offset], skip_special_tokens=True)
+    full = _tokenizer.decode(ids, skip_special_tokens=True)
+    return prefix, full
+
+
+def _ping() -> bool:
+    return _tokenizer is not None
+
+
+class TokenizerPool:
+    def __init__(self, model: str, num_workers: int) -> None:
+        self._num_workers = num_workers
+        self._pool = ProcessPoolExecutor(
+            max_workers=num_workers,
+            mp_context=multiprocessing.get_context("spawn"),
+            initializer=_init,
+            initargs=(model,),
+        )
+
+    async def start(self) -> None:
+        """Waits until every process has loaded the tokenizer, so no request pays for it."""
+        await asyncio.gather(*(self._run(_ping) for _ in range(self._num_workers)))
+
+    async def encode_text(self, text: str) -> list[int]:
+        return await self._run(_encode_text, text)
+
+    async def encode_chat(self, messages: tuple[tuple[str, str], ...]) -> list[int]:
+        return await self._run(_encode_chat, messages)
+
+    async def decode_pair(self, ids: list[int], read_offset: int) -> tuple[str, str]:
+        return await self._run(_decode_pair, ids, read_offset)
+
+    async def _run(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)

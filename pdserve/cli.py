@@ -1,0 +1,171 @@
+"""The `pdserve` command: up | gateway | prefill | decode | generate | prepare-model | bench."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from pdserve.config import GatewayConfig, WorkerConfig
+
+
+def _model_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None,
+                   help="local HF model folder vLLM can load (default: SmolLM2-135M-Instruct, prepared once)")
+
+
+def _resolve_model(args) -> None:
+    from pdserve.model import resolve_model
+
+    args.model = str(resolve_model(args.model))
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--kv-cache-gib", type=int, default=2, help="KV cache size per CPU engine, GiB (whole)")
+    p.add_argument("--block-size", type=int, default=32, help="tokens per KV block (a multiple of 32 on CPU)")
+    p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
+
+
+def cmd_up(args) -> int:
+    from pdserve.launcher import up
+
+    _resolve_model(args)
+    return up(args)
+
+
+def cmd_worker(args) -> int:
+    _resolve_model(args)
+    cfg = WorkerConfig(
+        role=args.command,
+        model=args.model,
+        host=args.host,
+        port=args.port,
+        cpus=args.cpus,
+        kv_cache_gib=args.kv_cache_gib,
+        block_size=args.block_size,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        enforce_eager=not args.compile,
+        kv_transport=args.kv_transport,
+        kv_lease_s=args.kv_lease_s,
+        kv_load_failure_policy=args.kv_load_failure_policy,
+        metrics_port=args.metrics_port,
+        json_logs=args.json_logs,
+        **({"worker_id": args.worker_id} if args.worker_id else {}),
+    )
+    if cfg.role == "prefill":
+        from prefill_worker.server import main
+    else:
+        from decode_worker.server import main
+    return main(cfg)
+
+
+def cmd_gateway(args) -> int:
+    from gateway.server import main
+
+    _resolve_model(args)
+    cfg = GatewayConfig(
+        model=args.model,
+        prefill_addrs=tuple(args.prefill),
+        decode_addrs=tuple(args.decode),
+        host=args.host,
+        port=args.port,
+        tokenizer_workers=args.tokenizer_workers,
+        metrics_port=args.metrics_port,
+        max_inflight=args.max_inflight,
+        json_logs=args.json_logs,
+    )
+    return main(cfg)
+
+
+def cmd_generate(args) -> int:
+    from pdserve.client import generate
+
+    return generate(args)
+
+
+def cmd_prepare_model(args) -> int:
+    from pdserve.model import prepare_default_model
+
+    print(prepare_default_model(force=args.force))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pdserve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("up", help="start gateway + one prefill + one decode worker on this host")
+    _model_arg(p)
+    _engine_args(p)
+    p.add_argument("--host", default="127.0.0.1", help="gateway bind address")
+    p.add_argument("--port", type=int, default=50051, help="gateway port")
+    p.add_argument("--metrics-port", type=int, default=9400,
+                   help="Prometheus ports: gateway here, prefill +1, decode +2 (0: off)")
+    p.add_argument("--ready-timeout-s", type=float, default=300.0)
+    p.add_argument("--json-logs", action="store_true")
+    p.set_defaults(func=cmd_up)
+
+    for role in ("prefill", "decode"):
+        p = sub.add_parser(role, help=f"run one {role} worker")
+        _model_arg(p)
+        _engine_args(p)
+        p.add_argument("--host", default="127.0.0.1")
+        p.add_argument("--port", type=int, default=0, help="0: any free port (printed in the READY line)")
+        p.add_argument("--cpus", default=None, help="cores for the engine's threads, e.g. 0 or 0-3")
+        p.add_argument("--max-num-seqs", type=int, default=64)
+        p.add_argument("--compile", action="store_true", help="torch.compile the model (slow first boot)")
+        p.add_argument("--kv-transport", default="shm")
+        p.add_argument("--kv-lease-s", type=float, default=30.0)
+        p.add_argument("--kv-load-failure-policy", choices=("fail", "recompute"), default="recompute")
+        p.add_argument("--metrics-port", type=int, default=None)
+        p.add_argument("--worker-id", default=None)
+        p.add_argument("--json-logs", action="store_true")
+        p.set_defaults(func=cmd_worker)
+
+    p = sub.add_parser("gateway", help="run the gateway")
+    _model_arg(p)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=50051)
+    p.add_argument("--prefill", action="append", required=True, help="prefill worker host:port (repeatable)")
+    p.add_argument("--decode", action="append", required=True, help="decode worker host:port (repeatable)")
+    p.add_argument("--tokenizer-workers", type=int, default=1)
+    p.add_argument("--max-inflight", type=int, default=256)
+    p.add_argument("--metrics-port", type=int, default=None)
+    p.add_argument("--json-logs", action="store_true")
+    p.set_defaults(func=cmd_gateway)
+
+    p = sub.add_parser("generate", help="stream an answer to the terminal")
+    p.add_argument("prompt")
+    p.add_argument("--chat", action="store_true", help="send as a user message (chat template applied)")
+    p.add_argument("--address", default="127.0.0.1:50051")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--timeout-s", type=float, default=120.0)
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("prepare-model", help="convert the default model once (idempotent)")
+    p.add_argument("--force", action="store_true")
+    p.set_defaults(func=cmd_prepare_model)
+
+    try:
+        from pdserve.bench.cli import register
+    except ImportError:
+        pass
+    else:
+        register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if getattr(args, "metrics_port", None) == 0:
+        args.metrics_port = None
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"pdserve: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

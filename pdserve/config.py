@@ -1,0 +1,79 @@
+"""One Config per process, built in one place (the CLI) and validated on construction."""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+
+ROLES = ("prefill", "decode")
+LOAD_FAILURE_POLICIES = ("fail", "recompute")
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    role: str
+    model: str
+    host: str = "127.0.0.1"
+    port: int = 0
+    # Cores the engine's compute threads are bound to (VLLM_CPU_OMP_THREADS_BIND), e.g. "0" or "0-3".
+    cpus: str | None = None
+    # KV cache size in GiB on a CPU engine (VLLM_CPU_KVCACHE_SPACE).
+    kv_cache_gib: int = 2
+    # Tokens per KV block. CPU attention needs a multiple of 32.
+    block_size: int = 32
+    max_model_len: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int | None = None
+    enforce_eager: bool = True
+    enable_prefix_caching: bool = True
+    kv_transport: str = "shm"
+    # How long a prefill worker keeps a prompt's KV for a decode worker that has not taken it.
+    kv_lease_s: float = 30.0
+    # Decode side: what a failed KV load does: fail the request, or recompute the prompt.
+    kv_load_failure_policy: str = "recompute"
+    metrics_port: int | None = None
+    worker_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
+    json_logs: bool = False
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+        if self.block_size <= 0 or self.block_size % 16:
+            raise ValueError(f"--block-size must be a positive multiple of 16 (32 on CPU), got {self.block_size}")
+        if self.kv_cache_gib <= 0:
+            raise ValueError(f"--kv-cache-gib must be positive, got {self.kv_cache_gib}")
+        if self.kv_lease_s <= 0:
+            raise ValueError(f"--kv-lease-s must be positive, got {self.kv_lease_s}")
+        if self.kv_load_failure_policy not in LOAD_FAILURE_POLICIES:
+            raise ValueError(
+                f"--kv-load-failure-policy must be one of {LOAD_FAILURE_POLICIES}, "
+                f"got {self.kv_load_failure_policy!r}"
+            )
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"--port out of range: {self.port}")
+        if "-" in self.worker_id or "/" in self.worker_id:
+            raise ValueError(f"worker id may not contain '-' or '/': {self.worker_id!r}")
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    model: str
+    prefill_addrs: tuple[str, ...]
+    decode_addrs: tuple[str, ...]
+    host: str = "127.0.0.1"
+    port: int = 50051
+    tokenizer_workers: int = 1
+    metrics_port: int | None = None
+    # How often worker health and load are polled.
+    poll_interval_s: float = 1.0
+    # Requests in flight at once (queued or running) before RESOURCE_EXHAUSTED.
+    max_inflight: int = 256
+    json_logs: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.prefill_addrs or not self.decode_addrs:
+            raise ValueError("the gateway needs at least one --prefill and one --decode worker address")
+        if self.tokenizer_workers < 1:
+            raise ValueError(f"--tokenizer-workers must be >= 1, got {self.tokenizer_workers}")
+        if self.max_inflight < 1:
+            raise ValueError(f"--max-inflight must be >= 1, got {self.max_inflight}")

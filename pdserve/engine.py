@@ -1,0 +1,114 @@
+"""Building a worker's vLLM engine and talking to it in its own terms.
+
+Both tiers run one vLLM ``AsyncLLM`` with our KV connector; they differ in the KV role
+(producer / consumer). The workers get token ids, not text: vLLM's detokenizer is off per
+request (``detokenize=False``); its tokenizer stays loaded for EOS handling.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING
+
+from pdserve.config import WorkerConfig
+from protos import worker_pb2
+
+if TYPE_CHECKING:
+    from vllm import SamplingParams
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+KV_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
+
+
+def set_engine_env(cfg: WorkerConfig) -> None:
+    """vLLM's CPU engine reads its core binding and KV size from the environment; the
+    engine-core process it spawns inherits them, so they are set before it starts."""
+    os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.kv_cache_gib)
+    if cfg.cpus is not None:
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cfg.cpus
+
+
+def build_engine(cfg: WorkerConfig) -> AsyncLLM:
+    from vllm.config import KVTransferConfig
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    set_engine_env(cfg)
+    kv_config = KVTransferConfig(
+        kv_connector="PdConnector",
+        kv_connector_module_path="kvtransfer.connector",
+        kv_role=KV_ROLES[cfg.role],
+        kv_load_failure_policy=cfg.kv_load_failure_policy,
+        kv_connector_extra_config={"transport": cfg.kv_transport, "producer_id": cfg.worker_id},
+    )
+    args = AsyncEngineArgs(
+        model=cfg.model,
+        block_size=cfg.block_size,
+        max_model_len=cfg.max_model_len,
+        max_num_seqs=cfg.max_num_seqs,
+        max_num_batched_tokens=cfg.max_num_batched_tokens,
+        enforce_eager=cfg.enforce_eager,
+        enable_prefix_caching=cfg.enable_prefix_caching,
+        kv_transfer_config=kv_config,
+        disable_log_stats=False,
+    )
+    return AsyncLLM.from_engine_args(args)
+
+
+def sampling_params(
+    s: worker_pb2.EngineSampling,
+    max_tokens: int,
+    kv_transfer_params: dict | None = None,
+) -> SamplingParams:
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=s.temperature,
+        top_p=s.top_p,
+        top_k=s.top_k,
+        seed=s.seed if s.HasField("seed") else None,
+        stop_token_ids=list(s.stop_token_ids),
+        ignore_eos=s.ignore_eos,
+        detokenize=False,
+        output_kind=RequestOutputKind.DELTA,
+        extra_args={"kv_transfer_params": kv_transfer_params} if kv_transfer_params else None,
+    )
+
+
+def worker_info(engine: AsyncLLM, cfg: WorkerConfig) -> worker_pb2.WorkerInfo:
+    from kvtransfer.layout import expected_layout
+
+    model_config = engine.vllm_config.model_config
+    hf = model_config.hf_config
+    eos = getattr(hf, "eos_token_id", None)
+    if isinstance(eos, list):
+        eos = eos[0]
+    layout = expected_layout(engine.vllm_config)
+    return worker_pb2.WorkerInfo(
+        worker_id=cfg.worker_id,
+        role=cfg.role,
+        model=cfg.model,
+        max_model_len=model_config.max_model_len,
+        layout=layout_to_proto(layout),
+        transports=[cfg.kv_transport],
+        vocab_size=model_config.get_vocab_size(),
+        eos_token_id=eos if eos is not None else 0,
+    )
+
+
+def layout_to_proto(layout) -> worker_pb2.KvLayout:
+    return worker_pb2.KvLayout(**layout.to_dict())
+
+
+def layout_from_proto(msg: worker_pb2.KvLayout):
+    from kvtransfer.layout import KVLayout
+
+    return KVLayout(
+        num_layers=msg.num_layers,
+        block_size=msg.block_size,
+        num_kv_heads=msg.num_kv_heads,
+        entry_size=msg.entry_size,
+        dtype=msg.dtype,
+    )

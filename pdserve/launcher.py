@@ -1,0 +1,191 @@
+"""`pdserve up`: gateway, one prefill and one decode worker as separate processes on this host.
+
+Each child runs in its own session (process group), so stopping it also stops the vLLM
+engine-core process it spawned: SIGTERM to the group, then SIGKILL after a grace period.
+The children print ``READY host:port`` on stdout when serving; their output is forwarded to
+our stderr, so stdout carries only our own ``ready`` line.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+STOP_GRACE_S = 15.0
+
+
+@dataclass
+class Child:
+    name: str
+    argv: list[str]
+    proc: subprocess.Popen | None = None
+    ready: threading.Event = field(default_factory=threading.Event)
+
+    def start(self, env: dict[str, str]) -> None:
+        self.proc = subprocess.Popen(
+            self.argv,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            start_new_session=True,
+            text=True,
+            bufsize=1,
+        )
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def _pump(self) -> None:
+        assert self.proc is not None and self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith("READY "):
+                self.ready.set()
+            sys.stderr.write(f"[{self.name}] {line}")
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def signal(self, sig: int) -> None:
+        if self.proc is not None:
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                pass
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def core_split() -> tuple[str | None, str | None]:
+    """Prefill gets the first half of the cores, decode the second (vLLM binds its
+    compute threads; two engines on the same cores would fight)."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        return None, None
+    half = len(cores) // 2
+    fmt = lambda cs: ",".join(str(c) for c in cs)  # noqa: E731
+    return fmt(cores[:half]), fmt(cores[half:])
+
+
+@dataclass
+class Stack:
+    children: list[Child]
+    gateway_address: str
+
+    def start(self) -> None:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        for child in self.children:
+            child.start(env)
+
+    def wait_ready(self, timeout_s: float) -> None:
+        """Blocks until the gateway reports SERVING; raises if a child dies or time runs out."""
+        import grpc
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        deadline = time.monotonic() + timeout_s
+        with grpc.insecure_channel(self.gateway_address) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            while time.monotonic() < deadline:
+                dead = [c.name for c in self.children if not c.alive()]
+                if dead:
+                    raise RuntimeError(f"{', '.join(dead)} exited during start-up (see its log above)")
+                try:
+                    reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=1)
+                    if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                        return
+                except grpc.RpcError:
+                    pass
+                time.sleep(0.5)
+        raise TimeoutError(f"the stack was not ready within {timeout_s:.0f} s")
+
+    def stop(self) -> None:
+        for child in self.children:
+            child.signal(signal.SIGTERM)
+        deadline = time.monotonic() + STOP_GRACE_S
+        for child in self.children:
+            if child.proc is None:
+                continue
+            try:
+                child.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+            # The group may hold the engine-core process even after the worker exited.
+            child.signal(signal.SIGKILL)
+            child.proc.wait()
+
+
+def build_stack(args) -> Stack:
+    """Children for `pdserve up`, from its parsed arguments."""
+    py = [sys.executable, "-m", "pdserve.cli"]
+    prefill_port, decode_port = free_port(), free_port()
+    prefill_cpus, decode_cpus = core_split()
+    common = ["--model", args.model, "--kv-cache-gib", str(args.kv_cache_gib), "--block-size", str(args.block_size)]
+    if args.max_model_len:
+        common += ["--max-model-len", str(args.max_model_len)]
+    if args.json_logs:
+        common.append("--json-logs")
+    metrics = (lambda i: ["--metrics-port", str(args.metrics_port + i)]) if args.metrics_port else (lambda i: [])
+    children = [
+        Child("prefill", [*py, "prefill", "--port", str(prefill_port), *common, *metrics(1),
+                          *(["--cpus", prefill_cpus] if prefill_cpus else [])]),
+        Child("decode", [*py, "decode", "--port", str(decode_port), *common, *metrics(2),
+                         *(["--cpus", decode_cpus] if decode_cpus else [])]),
+        Child("gateway", [*py, "gateway", "--host", args.host, "--port", str(args.port), "--model", args.model,
+                          "--prefill", f"127.0.0.1:{prefill_port}", "--decode", f"127.0.0.1:{decode_port}",
+                          *metrics(0), *(["--json-logs"] if args.json_logs else [])]),
+    ]
+    connect_host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
+    return Stack(children, f"{connect_host}:{args.port}")
+
+
+def up(args) -> int:
+    stack = build_stack(args)
+    stopping = threading.Event()
+
+    def on_signal(signum, frame) -> None:
+        stopping.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    started = time.monotonic()
+    stack.start()
+    try:
+        errors: list[BaseException] = []
+        ready = threading.Thread(target=_capture(stack.wait_ready, errors), args=(args.ready_timeout_s,), daemon=True)
+        ready.start()
+        while ready.is_alive() and not stopping.is_set():
+            ready.join(0.2)
+        if stopping.is_set():
+            return 130
+        if errors:
+            print(f"pdserve up failed: {errors[0]}", file=sys.stderr, flush=True)
+            return 1
+        print(f"pdserve ready at {stack.gateway_address} ({time.monotonic() - started:.0f} s)", flush=True)
+        while not stopping.is_set():
+            dead = [c.name for c in stack.children if not c.alive()]
+            if dead:
+                print(f"pdserve: {', '.join(dead)} exited; stopping", file=sys.stderr, flush=True)
+                return 1
+            stopping.wait(1.0)
+        return 0
+    finally:
+        print("pdserve: stopping", file=sys.stderr, flush=True)
+        stack.stop()
+
+
+def _capture(fn, errors: list[BaseException]):
+    def run(*a):
+        try:
+            fn(*a)
+        except BaseException as e:  # noqa: BLE001 - reported by the caller
+            errors.append(e)
+
+    return run

@@ -1,0 +1,159 @@
+"""gRPC plumbing every pdserve server shares: status errors, health, reflection, lifecycle.
+
+Errors by audience: a caller's mistake raises one of the ``RpcError`` subclasses below with a
+message that says what to change; ``rpc_errors`` turns it into that gRPC status. Anything
+else is a bug: logged with its traceback and answered INTERNAL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import signal
+from collections.abc import AsyncIterator, Callable, Iterable
+from typing import Any, TypeVar
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+logger = logging.getLogger(__name__)
+
+
+class RpcError(Exception):
+    code: grpc.StatusCode = grpc.StatusCode.INTERNAL
+
+
+class InvalidArgument(RpcError):
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class FailedPrecondition(RpcError):
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class ResourceExhausted(RpcError):
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class Unavailable(RpcError):
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+class DeadlineExceeded(RpcError):
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+class NotFound(RpcError):
+    code = grpc.StatusCode.NOT_FOUND
+
+
+# Statuses a worker answers that the gateway passes on to its caller unchanged.
+PASS_THROUGH = {
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.FAILED_PRECONDITION,
+    grpc.StatusCode.CANCELLED,
+}
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+async def _abort(context: grpc.aio.ServicerContext, e: BaseException, name: str) -> None:
+    if isinstance(e, RpcError):
+        await context.abort(e.code, str(e))
+    if isinstance(e, grpc.aio.AioRpcError):
+        # A downstream call failed; its status says whose fault it is.
+        code = e.code() if e.code() in PASS_THROUGH else grpc.StatusCode.UNAVAILABLE
+        await context.abort(code, f"{e.details()}")
+    logger.exception("bug in %s", name)
+    await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {name}: {type(e).__name__}")
+
+
+def rpc_errors(handler: F) -> F:
+    """Maps exceptions of a unary or server-streaming async handler to gRPC statuses."""
+    name = handler.__qualname__
+    if _is_async_gen(handler):
+
+        @functools.wraps(handler)
+        async def stream(self, request, context) -> AsyncIterator[Any]:
+            try:
+                async for item in handler(self, request, context):
+                    yield item
+            except (asyncio.CancelledError, GeneratorExit):
+                raise
+            except Exception as e:  # noqa: BLE001 - mapped, or logged as a bug
+                await _abort(context, e, name)
+
+        return stream  # type: ignore[return-value]
+
+    @functools.wraps(handler)
+    async def unary(self, request, context):
+        try:
+            return await handler(self, request, context)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001
+            await _abort(context, e, name)
+
+    return unary  # type: ignore[return-value]
+
+
+def _is_async_gen(fn: Callable[..., Any]) -> bool:
+    import inspect
+
+    return inspect.isasyncgenfunction(fn)
+
+
+def add_standard_services(server: grpc.aio.Server, service_names: Iterable[str]) -> health.HealthServicer:
+    """Health checking (all services start NOT_SERVING) and server reflection."""
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    names = list(service_names)
+    reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+    return health_servicer
+
+
+async def set_serving(health_servicer: health.HealthServicer, names: Iterable[str], serving: bool) -> None:
+    status = (
+        health_pb2.HealthCheckResponse.SERVING
+        if serving
+        else health_pb2.HealthCheckResponse.NOT_SERVING
+    )
+    for name in ["", *names]:
+        await health_servicer.set(name, status)
+
+
+def bind(server: grpc.aio.Server, host: str, port: int) -> int:
+    """Binds an insecure port; returns the bound port (useful with port 0)."""
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"cannot bind {host}:{port} (in use?)")
+    return bound
+
+
+def stop_event_on_signals() -> asyncio.Event:
+    """An event set by SIGTERM or SIGINT, so servers drain instead of dying mid-request."""
+    event = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, event.set)
+    return event
+
+
+async def check_health(channel: grpc.aio.Channel, service: str = "", timeout_s: float = 2.0) -> bool:
+    stub = health_pb2_grpc.HealthStub(channel)
+    try:
+        reply = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)
+    except grpc.aio.AioRpcError:
+        return False
+    return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+    ("grpc.max_send_message_length", 64 * 1024 * 1024),
+    ("grpc.keepalive_time_ms", 30_000),
+]

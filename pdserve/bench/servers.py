@@ -167,6 +167,8 @@ class ServerProcess:
         family = [proc.pid, *descendants(proc.pid)]
         if proc.poll() is None:
             _signal_group(proc.pid, signal.SIGTERM)
+        for pid in family:  # descendants that left the group get the same notice
+            _signal(pid, signal.SIGTERM)
         try:
             proc.wait(self.spec.stop_grace_s)
         except subprocess.TimeoutExpired:
@@ -177,10 +179,7 @@ class ServerProcess:
         while (survivors := [p for p in family if _alive(p)]) and time.monotonic() < deadline:
             time.sleep(0.2)
         for pid in survivors:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            _signal(pid, signal.SIGKILL)
         _signal_group(proc.pid, signal.SIGKILL)  # anything forked since we listed
         if self._pump_thread is not None:
             self._pump_thread.join(timeout=5)
@@ -190,5 +189,12 @@ class ServerProcess:
 def _signal_group(pgid: int, sig: signal.Signals) -> None:
     try:
         os.killpg(pgid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _signal(pid: int, sig: signal.Signals) -> None:
+    try:
+        os.kill(pid, sig)
     except ProcessLookupError:
         pass

@@ -1,0 +1,164 @@
+"""Reports, compare summaries, CLI flag handling and server process lifecycle."""
+
+import argparse
+import json
+import os
+import sys
+import textwrap
+import time
+
+import pytest
+
+from pdserve.bench import cli
+from pdserve.bench.compare import CompareConfig, SystemResult, compare_dict, format_compare
+from pdserve.bench.loadgen import LoadConfig
+from pdserve.bench.metrics import SLO, summarize_run
+from pdserve.bench.record import Chunk, RequestRecord
+from pdserve.bench.report import format_result, result_dict, write_plots
+from pdserve.bench.runner import BenchConfig, BenchResult, RunResult
+from pdserve.bench.servers import ServerError, ServerProcess, ServerSpec, free_port
+
+
+def record(i: int, ttft_s: float, tpot_s: float, tokens: int = 3) -> RequestRecord:
+    send = float(i)
+    chunks = [Chunk(send + ttft_s + k * tpot_s, 1) for k in range(tokens)]
+    return RequestRecord(f"r{i}", "default", 0, 10, tokens, send, chunks,
+                         done_s=chunks[-1].time_s, output_tokens=tokens)
+
+
+def bench_result(latencies: dict[float, list[tuple[float, float]]]) -> BenchResult:
+    """One run per rate; each (ttft, tpot) pair becomes a 3-token request."""
+    slo = SLO(ttft_s=1.0, tpot_s=0.5)
+    cfg = BenchConfig(rates_rps=sorted(latencies), num_requests=4, slo=slo)
+    runs = []
+    for rate, pairs in sorted(latencies.items()):
+        records = [record(i, t, p) for i, (t, p) in enumerate(pairs)]
+        runs.append(RunResult(LoadConfig(rate_rps=rate, num_requests=len(records)),
+                              summarize_run(records, slo), records))
+    return BenchResult(cfg, runs)
+
+
+FAST = [(0.5, 0.1)] * 4
+HALF = [(0.5, 0.1), (0.5, 0.1), (2.0, 0.1), (0.5, 0.9)]  # attainment 0.5
+
+
+def test_table_and_json_of_a_sweep():
+    result = bench_result({1.0: FAST, 2.0: HALF})
+    assert result.distserve_goodput_rps() == pytest.approx(1.0 + 0.1 / 0.5)
+    table = format_result(result)
+    assert "DistServe goodput (>= 90% of requests within SLO): 1.200 req/s" in table
+    assert "open loop, 2 req/s, burstiness 1" in table
+    doc = json.loads(json.dumps(result_dict(result, include_records=True)))
+    assert [run["summary"]["slo_attainment"] for run in doc["runs"]] == [1.0, 0.5]
+    assert doc["runs"][0]["summary"]["ttft_s"]["p50"] == 0.5
+    assert len(doc["runs"][1]["records"]) == 4
+
+
+def test_plots_are_written(tmp_path):
+    paths = write_plots({"grpc": bench_result({1.0: FAST, 2.0: HALF}).runs}, tmp_path)
+    assert [p.name for p in paths] == ["latency_cdf.png", "sweep.png"]
+    assert all(p.read_bytes()[:4] == b"\x89PNG" for p in paths)
+
+
+def test_compare_summary_goodput_top_rate_latencies_and_ratios(tmp_path):
+    pd = bench_result({0.5: FAST, 1.0: FAST, 2.0: HALF})
+    vl = bench_result({0.5: FAST, 1.0: HALF, 2.0: HALF})
+    cfg = CompareConfig(bench=pd.config, model=tmp_path)
+    results = {"pdserve": SystemResult("pdserve", result=pd),
+               "vllm": SystemResult("vllm", result=vl)}
+    doc = json.loads(json.dumps(compare_dict(cfg, results)))
+    assert doc["pdserve"]["goodput_rps"] == pytest.approx(1.2)
+    assert doc["vllm"]["goodput_rps"] == pytest.approx(0.6)
+    assert doc["ratios"]["goodput_rps"] == pytest.approx(2.0)
+    assert doc["pdserve"]["latencies_at_rate_rps"] == 2.0
+    assert [e["slo_attainment"] for e in doc["vllm"]["sweep"]] == [1.0, 0.5, 0.5]
+    assert doc["ratios"]["ttft_p50_s"] == 1.0  # same latencies at the top rate
+    assert doc["config"]["rates_rps"] == [0.5, 1.0, 2.0]
+    assert "goodput_rps" in format_compare(doc, results)
+
+
+def test_failed_system_is_reported_not_raised(tmp_path):
+    cfg = CompareConfig(bench=BenchConfig(rates_rps=[1.0]), model=tmp_path)
+    results = {"pdserve": SystemResult("pdserve", error="exited with 1"),
+               "vllm": SystemResult("vllm", result=bench_result({1.0: FAST}))}
+    doc = compare_dict(cfg, results)
+    assert doc["pdserve"]["error"] == "exited with 1"
+    assert doc["ratios"]["goodput_rps"] is None
+    assert "failed: exited with 1" in format_compare(doc, results)
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="pdserve")
+    cli.register(parser.add_subparsers(dest="command"))
+    return parser.parse_args(argv)
+
+
+def test_cli_builds_one_config_from_flags():
+    args = parse(["bench", "run", "--rates", "1,0.5", "--slo-ttft-s", "2",
+                  "--input-len-range", "8:16", "--workload", "classmix",
+                  "--class-mix", "interactive=1", "--json", "-"])
+    assert args.func is cli.cmd_run
+    cfg = cli.bench_config(args)
+    assert cfg.rates_rps == [0.5, 1.0] and cfg.num_requests == 100
+    assert cfg.slo == SLO(ttft_s=2.0, tpot_s=None)
+    assert cfg.workload.kind == "classmix" and cfg.workload.input_len.high == 16
+    assert [c.name for c in cfg.workload.classes] == ["interactive"]
+    assert cli.bench_config(parse(["bench", "run", "--concurrency", "2", "--duration",
+                                   "30"])).num_requests is None
+
+
+def test_cli_compare_defaults_and_kv_passthrough():
+    args = parse(["bench", "compare"])
+    cfg = cli.bench_config(args)
+    assert cfg.rates_rps == [0.25, 0.5, 1.0, 1.5] and cfg.num_requests == 48
+    assert cfg.slo == SLO(ttft_s=2.0, tpot_s=0.25)
+    kv = parse(["bench", "kv", "--size", "4", "--help"])
+    assert kv.func is cli.cmd_kv and kv.kv_args == ["--size", "4", "--help"]
+
+
+SERVER = textwrap.dedent("""
+    import os, subprocess, sys, time
+    # A grandchild in a session of its own: killpg alone would miss it.
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                             start_new_session=True)
+    print("child", child.pid, flush=True)
+    print("worker ready", flush=True)  # no port: not the server's ready line
+    print("pdserve ready on 127.0.0.1:" + sys.argv[1], flush=True)
+    time.sleep(60)
+""")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def test_server_process_waits_for_ready_and_leaves_nothing(tmp_path):
+    port = free_port()
+    spec = ServerSpec("fake", [sys.executable, "-c", SERVER, str(port)],
+                      ready_pattern=rf"\bready\b.*:{port}\b", stop_grace_s=2)
+    with ServerProcess(spec, tmp_path / "fake.log") as server:
+        leader = server._proc.pid
+        child = int(next(line.split()[1] for line in server.tail().splitlines()
+                         if line.startswith("child")))
+        assert _alive(leader) and _alive(child)
+        assert server.boot_s is not None
+    deadline = time.monotonic() + 5
+    while _alive(child) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(child)
+    assert "pdserve ready" in (tmp_path / "fake.log").read_text()
+
+
+def test_server_that_exits_early_is_an_error_with_its_output(tmp_path):
+    spec = ServerSpec("broken", [sys.executable, "-c", "print('no model'); raise SystemExit(3)"],
+                      ready_pattern="ready", boot_timeout_s=10)
+    with pytest.raises(ServerError, match="exited with 3(.|\n)*no model"):
+        with ServerProcess(spec, tmp_path / "broken.log"):
+            pass
+    with pytest.raises(ValueError):
+        ServerSpec("both", ["x"], ready_pattern="r", health_url="http://h")

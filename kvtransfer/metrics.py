@@ -6,7 +6,7 @@ PROMETHEUS_MULTIPROC_DIR before starting the engine and exports them with its ow
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Histogram
+from prometheus_client import Counter, Gauge, Histogram
 
 TRANSFER_BYTES = Counter(
     "pdserve_kv_transfer_bytes",
@@ -28,6 +28,13 @@ TRANSFER_FAILURES = Counter(
     "pdserve_kv_transfer_failures",
     "KV loads that failed, by transport and reason (missing, size, layout, peer, timeout).",
     ["transport", "reason"],
+)
+
+LEASES_OUTSTANDING = Gauge(
+    "pdserve_kv_leases_outstanding",
+    "Prompts whose KV a producer holds staged for a consumer, by transport.",
+    ["transport"],
+    multiprocess_mode="livesum",
 )
 
 

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -27,7 +28,7 @@ class ShmTransport(KVTransport):
     name = "shm"
 
     @classmethod
-    def location_for(cls, key: str) -> str:
+    def location_for(cls, key: str, extra_config: Mapping[str, Any] | None = None) -> str:
         assert "/" not in key, key
         return str(SHM_DIR / f"{PREFIX}{key}")
 

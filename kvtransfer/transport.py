@@ -12,6 +12,10 @@ engine registered:
   expired, or the request was aborted). It is a classmethod: the worker's server process
   calls it too, outside the engine.
 
+A transport is built as ``cls(layout, producer_id, extra_config)`` with the connector's
+``kv_connector_extra_config`` dict; ``location_for(key, extra_config)`` reads the same dict
+(the network transports take their host and port from it).
+
 Failures raise ``KVTransferError`` with a ``reason`` label (``missing``, ``size``,
 ``layout``, ``peer``, ``timeout``); the connector turns them into a failed load, never a
 crash.
@@ -20,8 +24,8 @@ crash.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
-from typing import ClassVar
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar
 
 import torch
 
@@ -37,13 +41,15 @@ class KVTransferError(RuntimeError):
 class KVTransport(ABC):
     name: ClassVar[str]
 
-    def __init__(self, layout: KVLayout, producer_id: str) -> None:
+    def __init__(
+        self, layout: KVLayout, producer_id: str, extra_config: Mapping[str, Any] | None = None
+    ) -> None:
         self.layout = layout
         self.producer_id = producer_id
 
     @classmethod
     @abstractmethod
-    def location_for(cls, key: str) -> str:
+    def location_for(cls, key: str, extra_config: Mapping[str, Any] | None = None) -> str:
         """The address under which a producer publishes the blocks named ``key``."""
 
     @abstractmethod
@@ -71,12 +77,31 @@ class KVTransport(ABC):
 
 def transport_class(name: str) -> type[KVTransport]:
     """The transport registered under ``name``; raises ValueError naming the known ones."""
+    from kvtransfer.cuda_ipc import CudaIpcTransport
+    from kvtransfer.nccl import NcclTransport
     from kvtransfer.shm import ShmTransport
+    from kvtransfer.tcp import TcpTransport
 
-    known: dict[str, type[KVTransport]] = {cls.name: cls for cls in (ShmTransport,)}
+    known: dict[str, type[KVTransport]] = {
+        cls.name: cls for cls in (ShmTransport, TcpTransport, NcclTransport, CudaIpcTransport)
+    }
     try:
         return known[name]
     except KeyError:
         raise ValueError(
             f"unknown KV transport {name!r}; choose one of {', '.join(sorted(known))}"
         ) from None
+
+
+def choose_transport(same_host: bool, device: str) -> str:
+    """The transport to use when none is configured, from where the two engines run.
+
+    ``device`` is the KV cache's device type (``cpu``, ``cuda``). Same host: shared memory
+    for CPU caches, CUDA IPC for GPU caches (device to device, no host copy). Across hosts:
+    NCCL between GPUs, TCP for everything else.
+    """
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"no KV transport for device {device!r}; expected 'cpu' or 'cuda'")
+    if same_host:
+        return "shm" if device == "cpu" else "cuda_ipc"
+    return "nccl" if device == "cuda" else "tcp"

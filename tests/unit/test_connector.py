@@ -1,0 +1,190 @@
+"""PdConnector's bookkeeping, on fakes of the vLLM objects it reads (no engine)."""
+
+import uuid
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from vllm.config import KVTransferConfig
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+from kvtransfer.connector import HANDLE_KEY, LOAD_KEY, SAVE_KEY, LoadSpec, PdConnector, PdConnectorMetadata, SaveSpec
+from kvtransfer.layout import KVHandle, KVLayout
+from kvtransfer.shm import ShmTransport
+
+BLOCK = 4
+LAYOUT = KVLayout(num_layers=2, block_size=BLOCK, num_kv_heads=2, entry_size=8, dtype="bfloat16")
+
+
+class FakeModelConfig:
+    dtype = torch.bfloat16
+
+    def get_num_layers(self, parallel_config):
+        return LAYOUT.num_layers
+
+    def get_num_kv_heads(self, parallel_config):
+        return LAYOUT.num_kv_heads
+
+    def get_head_size(self):
+        return LAYOUT.entry_size // 2
+
+
+def connector(role: KVConnectorRole, kv_role: str) -> PdConnector:
+    vllm_config = SimpleNamespace(
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="PdConnector", kv_role=kv_role, kv_connector_extra_config={"producer_id": "p1"}
+        ),
+        cache_config=SimpleNamespace(block_size=BLOCK, cache_dtype="auto"),
+        model_config=FakeModelConfig(),
+        parallel_config=None,
+    )
+    return PdConnector(vllm_config, role, kv_cache_config=None)
+
+
+def fake_request(request_id="r1", num_prompt_tokens=10, num_computed_tokens=0, params=None):
+    return SimpleNamespace(
+        request_id=request_id,
+        num_prompt_tokens=num_prompt_tokens,
+        num_computed_tokens=num_computed_tokens,
+        kv_transfer_params=params,
+    )
+
+
+def blocks(ids):
+    return SimpleNamespace(get_block_ids=lambda: (list(ids),))
+
+
+def handle(num_tokens: int, location="/dev/shm/pdserve-kv-p1-x") -> KVHandle:
+    return KVHandle("shm", location, num_tokens, LAYOUT, "p1")
+
+
+# ---- consumer, scheduler half ----
+
+
+def test_consumer_loads_every_prompt_token_but_the_last_beyond_local_hits():
+    c = connector(KVConnectorRole.SCHEDULER, "kv_consumer")
+    req = fake_request(num_prompt_tokens=11, params={LOAD_KEY: handle(10).to_dict()})
+    assert c.get_num_new_matched_tokens(req, 0) == (10, False)
+    assert c.get_num_new_matched_tokens(req, 4) == (6, False)  # one block hit locally
+    # A handle as long as the prompt still leaves the last token to compute.
+    whole = fake_request(num_prompt_tokens=10, params={LOAD_KEY: handle(10).to_dict()})
+    assert c.get_num_new_matched_tokens(whole, 0) == (9, False)
+    assert c.get_num_new_matched_tokens(fake_request(), 0) == (0, False)
+
+
+def test_consumer_loads_into_the_blocks_after_the_local_hit_once():
+    c = connector(KVConnectorRole.SCHEDULER, "kv_consumer")
+    req = fake_request(num_prompt_tokens=11, params={LOAD_KEY: handle(10).to_dict()})
+    c.update_state_after_alloc(req, blocks([7, 3, 9]), num_external_tokens=6)
+    meta = c.build_connector_meta(SimpleNamespace(num_scheduled_tokens={"r1": 7}))
+    assert meta.loads == [LoadSpec("r1", handle(10), block_ids=[3, 9], first_block=1, num_tokens=6)]
+    assert meta.saves == []
+    assert c.build_connector_meta(SimpleNamespace(num_scheduled_tokens={})).loads == []
+    assert c.request_finished(req, [7, 3, 9]) == (False, {"num_external_tokens": 6})
+
+
+def test_consumer_without_external_tokens_records_nothing():
+    c = connector(KVConnectorRole.SCHEDULER, "kv_consumer")
+    req = fake_request(params={LOAD_KEY: handle(9).to_dict()})
+    c.update_state_after_alloc(req, blocks([1, 2, 3]), num_external_tokens=0)
+    assert c.build_connector_meta(SimpleNamespace(num_scheduled_tokens={"r1": 10})).loads == []
+    assert c.request_finished(req, [1, 2, 3]) == (False, {"num_external_tokens": 0})
+
+
+# ---- producer, scheduler half ----
+
+
+def test_producer_saves_once_when_the_last_prompt_chunk_is_scheduled():
+    c = connector(KVConnectorRole.SCHEDULER, "kv_producer")
+    c._kv_cache_manager = SimpleNamespace(get_block_ids=lambda rid: ([5, 6, 8, 2],))
+    req = fake_request(num_prompt_tokens=10, params={SAVE_KEY: "/dev/shm/pdserve-kv-p1-a"})
+    c.on_new_request(req)
+    assert c.build_connector_meta(SimpleNamespace(num_scheduled_tokens={"r1": 8})).saves == []
+    req.num_computed_tokens = 8
+    assert c.build_connector_meta(SimpleNamespace(num_scheduled_tokens={"other": 3})).saves == []
+    meta = c.build_connector_meta(SimpleNamespace(num_scheduled_tokens={"r1": 2}))
+    assert meta.saves == [SaveSpec("r1", "/dev/shm/pdserve-kv-p1-a", block_ids=[5, 6, 8], num_tokens=10)]
+    assert c.build_connector_meta(SimpleNamespace(num_scheduled_tokens={"r1": 1})).saves == []
+    delay, params = c.request_finished(req, [5, 6, 8, 2])
+    assert delay is False
+    assert KVHandle.from_dict(params[HANDLE_KEY]) == KVHandle("shm", "/dev/shm/pdserve-kv-p1-a", 10, LAYOUT, "p1")
+
+
+def test_producer_request_aborted_before_its_prefill_completes_has_no_handle():
+    c = connector(KVConnectorRole.SCHEDULER, "kv_producer")
+    req = fake_request(params={SAVE_KEY: "/dev/shm/pdserve-kv-p1-b"})
+    c.on_new_request(req)
+    assert c.request_finished(req, []) == (False, None)
+    assert c._pending_saves == {}
+
+
+# ---- worker halves, through the shm transport ----
+
+
+def paged(seed: int | None) -> dict[str, torch.Tensor]:
+    shape = (16, LAYOUT.num_kv_heads, BLOCK, LAYOUT.entry_size)  # (num_blocks, H, N, C)
+    gen = torch.Generator().manual_seed(seed) if seed is not None else None
+    return {
+        f"model.layers.{i}.self_attn.attn": (
+            torch.randn(shape, generator=gen).to(torch.bfloat16) if gen else torch.zeros(shape, dtype=torch.bfloat16)
+        )
+        for i in range(LAYOUT.num_layers)
+    }
+
+
+@pytest.fixture
+def location():
+    path = ShmTransport.location_for(f"test{uuid.uuid4().hex[:8]}-{uuid.uuid4().hex}")
+    yield path
+    Path(path).unlink(missing_ok=True)
+
+
+def test_blocks_saved_by_a_producer_land_in_the_consumers_blocks(location):
+    producer = connector(KVConnectorRole.WORKER, "kv_producer")
+    src = paged(seed=0)
+    producer.register_kv_caches(src)
+    producer.bind_connector_metadata(PdConnectorMetadata(saves=[SaveSpec("r1", location, [5, 2, 11], 10)]))
+    producer.wait_for_save()
+    assert Path(location).stat().st_size == LAYOUT.nbytes(10)
+
+    consumer = connector(KVConnectorRole.WORKER, "kv_consumer")
+    dst = paged(seed=None)
+    consumer.register_kv_caches(dst)
+    # Blocks 1 and 2 of the handle (the first block was a local prefix-cache hit).
+    load = LoadSpec("r1", KVHandle("shm", location, 10, LAYOUT, "p1"), block_ids=[7, 0], first_block=1, num_tokens=6)
+    consumer.bind_connector_metadata(PdConnectorMetadata(loads=[load]))
+    consumer.start_load_kv(forward_context=None)
+    for name in src:
+        assert torch.equal(dst[name][7], src[name][2])
+        assert torch.equal(dst[name][0], src[name][11])
+        untouched = [b for b in range(16) if b not in (7, 0)]
+        assert not dst[name][untouched].any()
+    assert consumer.get_block_ids_with_load_errors() == set()
+    assert not Path(location).exists(), "the consumer unlinks what it loaded"
+
+
+def test_a_missing_handle_is_a_failed_load_not_a_crash(location):
+    consumer = connector(KVConnectorRole.WORKER, "kv_consumer")
+    consumer.register_kv_caches(paged(seed=None))
+    load = LoadSpec("r1", KVHandle("shm", location, 10, LAYOUT, "p1"), block_ids=[4, 6], first_block=0, num_tokens=8)
+    consumer.bind_connector_metadata(PdConnectorMetadata(loads=[load]))
+    consumer.start_load_kv(forward_context=None)
+    assert consumer.get_block_ids_with_load_errors() == {4, 6}
+    assert consumer.get_block_ids_with_load_errors() == set()
+
+
+def test_a_handle_with_another_layout_is_a_failed_load(location):
+    producer = connector(KVConnectorRole.WORKER, "kv_producer")
+    producer.register_kv_caches(paged(seed=1))
+    producer.bind_connector_metadata(PdConnectorMetadata(saves=[SaveSpec("r1", location, [1], 4)]))
+    producer.wait_for_save()
+    consumer = connector(KVConnectorRole.WORKER, "kv_consumer")
+    dst = paged(seed=None)
+    consumer.register_kv_caches(dst)
+    other = KVLayout(num_layers=2, block_size=BLOCK, num_kv_heads=2, entry_size=8, dtype="float16")
+    load = LoadSpec("r1", KVHandle("shm", location, 4, other, "p1"), block_ids=[3], first_block=0, num_tokens=3)
+    consumer.bind_connector_metadata(PdConnectorMetadata(loads=[load]))
+    consumer.start_load_kv(forward_context=None)
+    assert consumer.get_block_ids_with_load_errors() == {3}
+    assert not any(t.any() for t in dst.values())

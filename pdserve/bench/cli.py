@@ -165,11 +165,13 @@ def _add_compare_args(p: argparse.ArgumentParser) -> None:
 
 
 def default_model_path() -> Path | None:
+    """pdserve's default model folder if it has been prepared (`pdserve prepare-model`)."""
     try:
         from pdserve.model import default_model_path as find
     except ImportError:
         return None
-    return Path(find())
+    path = Path(find())
+    return path if (path / "config.json").is_file() else None
 
 
 def workload_config(args: argparse.Namespace) -> WorkloadConfig:
@@ -235,7 +237,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
     model = args.model or default_model_path()
     if model is None:
-        print("pdserve bench compare: give --model (pdserve.model is not available)",
+        print("pdserve bench compare: no model; give --model or run `pdserve prepare-model`",
               file=sys.stderr)
         return 2
     try:

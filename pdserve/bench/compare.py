@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import os
-import shutil
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -67,21 +66,25 @@ class SystemResult:
 
 
 def pdserve_argv(port: int, model: Path) -> list[str]:
-    """The installed `pdserve` script, else the same entry point through this interpreter."""
-    script = Path(sys.executable).with_name("pdserve")
-    if not script.exists():
-        found = shutil.which("pdserve")
-        script = Path(found) if found else None
-    base = ([str(script)] if script else
-            [sys.executable, "-c", "import sys; from pdserve.cli import main; sys.exit(main())"])
-    return [*base, "up", "--port", str(port), "--model", str(model)]
+    # Metrics off: `up` would otherwise bind fixed ports that a concurrent stack may hold.
+    return [sys.executable, "-m", "pdserve.cli", "up", "--port", str(port), "--model",
+            str(model), "--metrics-port", "0"]
+
+
+def source_root_env() -> dict[str, str]:
+    """PYTHONPATH with this checkout first, so `-m pdserve.cli` works uninstalled too."""
+    root = str(Path(__file__).resolve().parents[2])
+    rest = os.environ.get("PYTHONPATH")
+    return {"PYTHONPATH": root + (os.pathsep + rest if rest else "")}
 
 
 def pdserve_spec(cfg: CompareConfig, port: int) -> ServerSpec:
-    # The ready line names the address; requiring the port skips per-worker "ready" lines.
-    return ServerSpec("pdserve", pdserve_argv(port, cfg.model),
-                      ready_pattern=rf"(?i)\bready\b.*:{port}\b|:{port}\b.*\bready\b",
-                      boot_timeout_s=cfg.boot_timeout_s)
+    # `up` prints "pdserve ready at HOST:PORT"; the lines it relays from its processes
+    # start with "[role]" (the gateway's own "[gateway] READY ..." comes before the
+    # workers are up), so those are skipped, and gRPC health must then say SERVING.
+    return ServerSpec("pdserve", pdserve_argv(port, cfg.model), source_root_env(),
+                      ready_pattern=rf"^[^\[].*\bready\b.*:{port}\b",
+                      grpc_health_target=f"127.0.0.1:{port}", boot_timeout_s=cfg.boot_timeout_s)
 
 
 def vllm_spec(cfg: CompareConfig, port: int) -> ServerSpec:

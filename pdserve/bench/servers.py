@@ -35,6 +35,8 @@ class ServerSpec:
     env: dict[str, str] = field(default_factory=dict)  # on top of the inherited environment
     ready_pattern: str | None = None  # regex searched in each output line
     health_url: str | None = None
+    # After the ready line, also wait for gRPC health (service "") to say SERVING.
+    grpc_health_target: str | None = None
     boot_timeout_s: float = 600.0
     stop_grace_s: float = 30.0
 
@@ -152,9 +154,31 @@ class ServerProcess:
             else:
                 time.sleep(1.0)
         else:
-            raise ServerError(f"{self.spec.name} not ready after {self.spec.boot_timeout_s:.0f} "
-                              f"s; log {self.log_path}:\n" + self.tail())
+            raise self._not_ready()
+        if self.spec.grpc_health_target is not None:
+            self._wait_serving(self.spec.grpc_health_target, deadline)
         self.boot_s = time.monotonic() - self._started
+
+    def _not_ready(self) -> ServerError:
+        return ServerError(f"{self.spec.name} not ready after {self.spec.boot_timeout_s:.0f} "
+                           f"s; log {self.log_path}:\n" + self.tail())
+
+    def _wait_serving(self, target: str, deadline: float) -> None:
+        import grpc
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        assert self._proc is not None
+        with grpc.insecure_channel(target) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            while time.monotonic() < deadline and self._proc.poll() is None:
+                try:
+                    status = stub.Check(health_pb2.HealthCheckRequest(), timeout=2).status
+                except grpc.RpcError:
+                    status = None
+                if status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+                time.sleep(0.5)
+        raise self._not_ready()
 
     def tail(self) -> str:
         return "\n".join(self._tail)

@@ -162,3 +162,18 @@ def test_server_that_exits_early_is_an_error_with_its_output(tmp_path):
             pass
     with pytest.raises(ValueError):
         ServerSpec("both", ["x"], ready_pattern="r", health_url="http://h")
+
+
+def test_pdserve_ready_line_is_the_launchers_not_a_relayed_one(tmp_path):
+    import re
+
+    from pdserve.bench.compare import pdserve_spec
+
+    spec = pdserve_spec(CompareConfig(bench=BenchConfig(rates_rps=[1.0]), model=tmp_path), 5005)
+    pattern = re.compile(spec.ready_pattern)
+    assert pattern.search("pdserve ready at 127.0.0.1:5005 (19 s)")
+    assert not pattern.search("[gateway] READY 127.0.0.1:5005")
+    assert not pattern.search("[decode] worker ready on 127.0.0.1:5005")
+    assert not pattern.search("pdserve ready at 127.0.0.1:50051 (19 s)")
+    assert spec.grpc_health_target == "127.0.0.1:5005"
+    assert spec.argv[1:4] == ["-m", "pdserve.cli", "up"]

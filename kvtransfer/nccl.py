@@ -7,7 +7,8 @@ called twice). The producer's control server (served.py) carries everything else
 
   1. Pair: a consumer with no group for this producer sends ``{"op": "pair"}``; the producer
      starts a TCPStore on a free port, replies with it and a ``pair_id``, and both sides
-     build the group (the constructor is the rendezvous, bounded by ``kv_timeout_s``).
+     build the group (the constructor is the rendezvous, bounded by ``kv_timeout_s``); the
+     producer confirms once the pair is registered on its side.
   2. Fetch: as in served.py, with ``pair_id`` and a fresh ``tag``. Both sides derive every
      message size from the agreed header: gloo aborts the whole process on a size mismatch,
      so nothing reaches the group before both layouts and the range are checked.
@@ -39,7 +40,16 @@ from kvtransfer.served import FetchRange, ServedTransport, check_block_ids
 from kvtransfer.staging import Lease
 from kvtransfer.tcp import contiguous_runs
 from kvtransfer.transport import KVTransferError
-from kvtransfer.wire import Address, connect, refusal, request, send_message, socket_errors
+from kvtransfer.wire import (
+    Address,
+    connect,
+    recv_message,
+    refusal,
+    reply,
+    request,
+    send_message,
+    socket_errors,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -115,6 +125,9 @@ class NcclTransport(ServedTransport):
         group = make_group(store, pair_id, PRODUCER_RANK, device, local_host, self.config.timeout_s)
         with self._lock:
             self._served_pairs[pair_id] = Pair(pair_id, group, store, itertools.count())
+        # The consumer's half of the rendezvous can return before ours: it fetches only
+        # after this, or its first fetch would find no pair here.
+        send_message(conn, {"ok": True})
 
     def _refuse(self, message: dict[str, Any]) -> dict[str, Any] | None:
         with self._lock:
@@ -204,7 +217,13 @@ class NcclTransport(ServedTransport):
                                    self.config.timeout_s)
             except RuntimeError as e:  # DistNetworkError and rendezvous timeouts
                 raise KVTransferError("peer", f"pairing with {address.host}:{address.port}: {e}") from e
-        pair = Pair(answer["pair_id"], group, store, itertools.count())
+            pair = Pair(answer["pair_id"], group, store, itertools.count())
+            try:
+                with socket_errors(f"pairing with {address.host}:{address.port}"):
+                    reply(recv_message(sock))
+            except KVTransferError:
+                teardown(pair)
+                raise
         with self._lock:
             self._fetch_pairs[(address.host, address.port)] = pair
         return pair

@@ -26,9 +26,11 @@ import torch
 from kvtransfer.layout import KVHandle
 from kvtransfer.served import FetchRange, ServedTransport, check_block_ids
 from kvtransfer.staging import Lease
+from kvtransfer.transport import KVTransferError
 from kvtransfer.wire import recv_into_exact, socket_errors
 
 CHUNK_BYTES = 4 << 20  # bounds each sendall by the socket timeout, not the whole layer
+MAX_IOVECS = 1024  # IOV_MAX on Linux
 
 
 class TcpTransport(ServedTransport):
@@ -75,8 +77,24 @@ def _recv_in_place(
     runs = contiguous_runs(block_ids.tolist())
     for layer in layers:
         view = _bytes_of(layer)  # the whole (num_blocks, H, N, C) layer
-        for start, length in runs:
-            recv_into_exact(sock, view[start * block_nbytes:(start + length) * block_nbytes])
+        targets = [view[start * block_nbytes:(start + length) * block_nbytes]
+                   for start, length in runs]
+        # Scatter-gather receive: one recvmsg fills many blocks, however scattered they are.
+        for first in range(0, len(targets), MAX_IOVECS):
+            recv_into_all(sock, targets[first:first + MAX_IOVECS])
+
+
+def recv_into_all(sock: socket.socket, targets: list[memoryview]) -> None:
+    """Fills every view in order, as one stream; a peer that closes early is an error."""
+    while targets:
+        got = sock.recvmsg_into(targets)[0]
+        if got == 0:
+            owed = sum(len(t) for t in targets)
+            raise KVTransferError("peer", f"peer closed the connection with {owed} bytes owed")
+        while got and got >= len(targets[0]):
+            got -= len(targets.pop(0))
+        if got:
+            targets[0] = targets[0][got:]
 
 
 def _recv_scatter(

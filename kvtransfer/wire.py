@@ -31,7 +31,6 @@ logger = logging.getLogger(__name__)
 MAGIC = b"PDKV"
 FRAME = struct.Struct("!4sI")  # magic, JSON length
 MAX_MESSAGE_BYTES = 1 << 20  # control messages are small; anything bigger is not ours
-SOCKET_BUFFER_BYTES = 4 << 20  # one 4 MiB buffer each way keeps loopback streaming
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,9 +67,10 @@ def socket_errors(what: str) -> Iterator[None]:
 
 def tune(sock: socket.socket, timeout_s: float) -> None:
     sock.settimeout(timeout_s)
+    # Small control messages must not wait for Nagle. Buffer sizes stay with the kernel:
+    # setting SO_SNDBUF/SO_RCVBUF turns autotuning off, and measured on loopback here a
+    # fixed 4 MiB (the rmem_max cap) streamed at half the autotuned rate (1.1 vs 2.3 GB/s).
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER_BYTES)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER_BYTES)
 
 
 def connect(address: Address, timeout_s: float) -> socket.socket:

@@ -242,14 +242,14 @@ def test_producer_killed_mid_transfer(name: str, monkeypatch: pytest.MonkeyPatch
 def _kill_on_first_data(monkeypatch: pytest.MonkeyPatch, name: str,
                         producer: ProducerProcess) -> None:
     if name == "tcp":
-        original = kvtransfer.tcp.recv_into_exact
+        original = kvtransfer.tcp.recv_into_all
 
-        def recv_then_kill(sock, view):  # type: ignore[no-untyped-def]
-            original(sock, view)
+        def recv_then_kill(sock, views):  # type: ignore[no-untyped-def]
+            original(sock, views)
             if producer.process.is_alive():
                 producer.kill()
 
-        monkeypatch.setattr(kvtransfer.tcp, "recv_into_exact", recv_then_kill)
+        monkeypatch.setattr(kvtransfer.tcp, "recv_into_all", recv_then_kill)
     else:
         original_receive = NcclTransport._receive
 

@@ -188,8 +188,12 @@ class PdConnector(KVConnectorBase_V1):
         saved = self._saved.pop(request.request_id, None)
         if saved is not None:
             return False, {HANDLE_KEY: saved.to_dict()}
-        if _load_handle(request) is None:
+        handle = _load_handle(request)
+        if handle is None:
             return False, None
+        # The worker frees the handle after loading it; a request aborted or finished before
+        # its load ran (or one that needed none of it) would otherwise hold it until its lease ends.
+        self._transport_cls.release(handle.location)
         return False, {"num_external_tokens": num_external}
 
     def _loadable_tokens(self, request: Request, handle: KVHandle) -> int:

@@ -1,0 +1,6 @@
+FROM python:3.11-slim
+WORKDIR /app
+RUN apt-get update && apt-get install -y --no-install-recommends make gcc g++ libnuma1 && rm -rf /var/lib/apt/lists/*
+COPY . .
+RUN make install VENV=/opt/venv && /opt/venv/bin/pdserve prepare-model
+ENV PATH=/opt/venv/bin:$PATH

@@ -114,7 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--cpus", default=None, help="cores for the engine's threads, e.g. 0 or 0-3")
         p.add_argument("--max-num-seqs", type=int, default=64)
         p.add_argument("--compile", action="store_true", help="torch.compile the model (slow first boot)")
-        p.add_argument("--kv-transport", default="shm")
+        # tcp, nccl and cuda_ipc exist in kvtransfer/ but are not yet wired into the workers.
+        p.add_argument("--kv-transport", choices=("shm",), default="shm")
         p.add_argument("--kv-lease-s", type=float, default=30.0)
         p.add_argument("--kv-load-failure-policy", choices=("fail", "recompute"), default="recompute")
         p.add_argument("--metrics-port", type=int, default=None)

@@ -7,7 +7,8 @@ A Generate call:
   4. Prefill on the least-loaded prefill worker: the first token and a KV handle.
   5. Stream the first token; then Decode on the least-loaded decode worker with the handle,
      streaming detokenized text, cutting at stop strings, until a finish reason.
-A call that ends between 4 and 5 releases the handle so the prefill side frees the blocks.
+A call that ends before its decode completes releases the handle, so the prefill side frees
+the blocks now rather than at lease expiry.
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self._workers = workers
         self._tokenizers = tokenizers
         self._num_inflight = 0
+        self._releases: set[asyncio.Task] = set()  # referenced until done, so none is collected
 
     async def Generate(self, request, context) -> AsyncIterator[generation_pb2.GenerateResponse]:
         code = grpc.StatusCode.OK
@@ -101,16 +103,19 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             yield await self._reply(stream, [first], prefill.finish_reason or "length")
             return
         reply = await self._reply(stream, [first], "")
-        decoding = False
+        decoded = False
         try:
             yield reply
             if stream.stop.stopped:
                 return
-            decoding = True
             async for reply in self._decode(job, stream, prompt_ids + [first], prefill.kv):
                 yield reply
+            decoded = True
         finally:
-            if not decoding:
+            # A call that ends any other way (stopped at the first token, cancelled, a decode
+            # worker that failed before loading) may leave the handoff uncollected. Releasing
+            # is idempotent: after a load the decode side has already freed it.
+            if not decoded:
                 self._release(prefill.kv)
 
     async def _tokenize(self, job: Job) -> list[int]:
@@ -204,7 +209,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         """Frees an unused handoff now rather than at lease expiry (best effort)."""
         for worker in self._workers.tier("prefill"):
             if worker.info is not None and worker.info.worker_id == kv.producer_id:
-                asyncio.ensure_future(_quiet(worker.stub.Release(worker_pb2.ReleaseRequest(kv=kv), timeout=5)))
+                task = asyncio.ensure_future(_quiet(worker.stub.Release(worker_pb2.ReleaseRequest(kv=kv), timeout=5)))
+                self._releases.add(task)
+                task.add_done_callback(self._releases.discard)
 
 
 async def _quiet(call) -> None:

@@ -17,6 +17,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+import psutil
+
 STOP_GRACE_S = 15.0
 
 
@@ -107,6 +109,9 @@ class Stack:
         raise TimeoutError(f"the stack was not ready within {timeout_s:.0f} s")
 
     def stop(self) -> None:
+        # vLLM's engine-core process may leave its parent's process group; remember every
+        # descendant now, and kill whichever outlives its worker.
+        descendants = [p for child in self.children for p in _descendants(child)]
         for child in self.children:
             child.signal(signal.SIGTERM)
         deadline = time.monotonic() + STOP_GRACE_S
@@ -120,6 +125,20 @@ class Stack:
             # The group may hold the engine-core process even after the worker exited.
             child.signal(signal.SIGKILL)
             child.proc.wait()
+        for proc in descendants:
+            try:
+                proc.kill()
+            except psutil.NoSuchProcess:
+                pass
+
+
+def _descendants(child: Child) -> list[psutil.Process]:
+    if not child.alive():
+        return []
+    try:
+        return psutil.Process(child.proc.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
 
 
 def build_stack(args) -> Stack:

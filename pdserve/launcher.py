@@ -66,6 +66,25 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def free_port_block(count: int, host: str = "127.0.0.1", tries: int = 50) -> int:
+    """A port p such that p .. p + count - 1 are all free right now."""
+    for _ in range(tries):
+        base = free_port(host)
+        socks = []
+        try:
+            for port in range(base, base + count):
+                s = socket.socket()
+                socks.append(s)
+                s.bind((host, port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise OSError(f"no block of {count} free ports found")
+
+
 def core_split() -> tuple[str | None, str | None]:
     """Prefill gets the first half of the cores, decode the second (vLLM binds its
     compute threads; two engines on the same cores would fight)."""

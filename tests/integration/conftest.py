@@ -21,7 +21,7 @@ import grpc
 import psutil
 import pytest
 
-from pdserve.launcher import free_port
+from pdserve.launcher import free_port, free_port_block
 from pdserve.model import resolve_model
 from protos import generation_pb2_grpc, worker_pb2, worker_pb2_grpc
 
@@ -118,9 +118,10 @@ class StackHandle:
 
 @pytest.fixture(scope="session")
 def stack(model_path, reference_outputs) -> StackHandle:
-    port, metrics_port = free_port(), free_port()
-    while any(p in (port,) for p in (metrics_port + 1, metrics_port + 2)):
-        metrics_port = free_port()
+    metrics_port = free_port_block(3)  # gateway, prefill, decode
+    port = free_port()
+    while port in range(metrics_port, metrics_port + 3):
+        port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "pdserve.cli", "up", "--port", str(port), "--metrics-port", str(metrics_port),
          "--kv-cache-gib", "1", "--model", model_path],

@@ -149,7 +149,9 @@ def stack(model_path, reference_outputs) -> StackHandle:
     descendants = psutil.Process(proc.pid).children(recursive=True)
     yield handle
     _stop(proc)
-    survivors = [p for p in descendants if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    # A process killed by `up` a moment ago may not have exited yet.
+    _, alive = psutil.wait_procs(descendants, timeout=15)
+    survivors = [p for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
     for p in survivors:
         p.kill()
     assert not survivors, f"processes left after pdserve up stopped: {[p.pid for p in survivors]}"

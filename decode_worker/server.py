@@ -48,10 +48,10 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         kv_params = None
         if request.HasField("kv"):
             handle = handle_from_proto(request.kv)
-            if handle.transport != self._cfg.kv_transport:
+            if handle.transport not in self._cfg.kv_transports:
                 raise FailedPrecondition(
                     f"KV handoff refused: handle uses transport {handle.transport!r}, this "
-                    f"decode worker reads {self._cfg.kv_transport!r}"
+                    f"decode worker reads {', '.join(self._cfg.kv_transports)}"
                 )
             try:
                 self._layout.check_compatible(handle.layout)

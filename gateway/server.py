@@ -130,6 +130,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
     async def _call_prefill(self, job: Job, prompt_ids: list[int]) -> worker_pb2.PrefillResponse:
         worker = self._pick("prefill")
+        try:
+            kv_transport = self._workers.kv_transport(worker, self._cfg.kv_transport)
+        except LookupError as e:
+            raise rpc.Unavailable(str(e)) from e
         worker.num_inflight += 1
         try:
             return await worker.stub.Prefill(
@@ -137,6 +141,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                     request_id=job.request_id,
                     token_ids=prompt_ids,
                     sampling=job.sampling.to_engine(job.sampling.max_tokens),
+                    kv_transport=kv_transport,
                 )
             )
         finally:

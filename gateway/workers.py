@@ -62,6 +62,31 @@ class WorkerPool:
         candidates = [w for w in self.tier(role) if w.routable]
         return min(candidates, key=lambda w: w.num_inflight, default=None)
 
+    def kv_transport(self, prefill: Worker, preference: str = "auto") -> str:
+        """The transport ``prefill`` publishes a prompt's KV through: one every routable
+        decode worker reads, so whichever decode worker is picked next can load it.
+
+        ``auto`` follows where the workers run (kvtransfer.transport.choose_transport):
+        one host: shared memory on CPU, CUDA IPC on GPU; across hosts: NCCL on GPU, TCP on
+        CPU; failing that, the prefill worker's first common transport.
+        """
+        assert prefill.info is not None
+        readers = [w.info for w in self.tier("decode") if w.routable]
+        common = [t for t in prefill.info.transports if all(t in r.transports for r in readers)]
+        if preference != "auto":
+            if preference not in common:
+                raise LookupError(
+                    f"KV transport {preference!r} is not served by prefill worker "
+                    f"{prefill.address} and read by every decode worker (common: {common})"
+                )
+            return preference
+        if not common:
+            raise LookupError(f"prefill worker {prefill.address} shares no KV transport with the decode tier")
+        same_host = all(r.hostname == prefill.info.hostname for r in readers)
+        gpu = prefill.info.kv_device == "cuda"
+        wanted = ("cuda_ipc" if gpu else "shm") if same_host else ("nccl" if gpu else "tcp")
+        return wanted if wanted in common else common[0]
+
     def model_info(self) -> worker_pb2.WorkerInfo | None:
         """Limits the gateway validates against: those of a routable decode worker."""
         worker = self.pick("decode")

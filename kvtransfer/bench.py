@@ -109,6 +109,10 @@ def _producer_main(conn: Any, transport: str, layout: dict[str, Any], layers: to
     producer = cls(KVLayout.from_dict(layout), "bench-producer", extra_config)
     config = getattr(producer, "extra_config", extra_config)
     conn.send(config)
+    if transport == "shm":  # an shm producer's KV cache lives in shared memory
+        from kvtransfer.shm import share
+
+        layers = share(layers, "bench-producer")
     layer_list = list(layers.unbind(0))  # each (num_blocks, H, N, C), contiguous
     try:
         while True:

@@ -5,9 +5,11 @@ kv_connector_module_path="kvtransfer.connector", kv_role=..., kv_connector_extra
 {"transport": "shm", "producer_id": ...})``. A request opts in through
 ``SamplingParams.extra_args["kv_transfer_params"]``:
 
-- ``{"pdserve_save": location}`` on a producer: when the prompt's prefill completes, its
-  blocks are published under ``location``, and the finished request's
-  ``RequestOutput.kv_transfer_params`` carries ``{"pdserve_handle": KVHandle.to_dict()}``;
+- ``{"pdserve_save": {"transport": name, "location": location}}`` on a producer (a bare
+  location string means the first configured transport): when the prompt's prefill
+  completes, its blocks are published under ``location`` through that transport, and the
+  finished request's ``RequestOutput.kv_transfer_params`` carries
+  ``{"pdserve_handle": KVHandle.to_dict()}``;
 - ``{"pdserve_load": KVHandle.to_dict()}`` on a consumer: the handle's tokens are loaded into
   the request's blocks instead of being computed.
 
@@ -23,6 +25,15 @@ Request lifecycle on the consumer:
   5. Finished: ``request_finished`` returns ``{"num_external_tokens": n}``, which reaches
      the caller in ``RequestOutput.kv_transfer_params``.
 
+Request lifecycle on the producer: the prompt's blocks are published at the step that
+computes the prompt's last chunk. A transport that copies them out (tcp, nccl: a staging
+copy) lets vLLM free them when the request finishes; shm publishes the engine's own blocks,
+so ``request_finished`` asks vLLM to keep them, and the worker half reports them done
+(``get_finished``) once their lease ends.
+
+One engine serves several transports at once (``kv_connector_extra_config["transports"]``):
+the prefill worker picks one per request, the decode side reads whichever a handle names.
+
 Scheduler half: get_num_new_matched_tokens, update_state_after_alloc, build_connector_meta,
 request_finished, on_new_request. Worker half: register_kv_caches, start_load_kv,
 wait_for_save, get_block_ids_with_load_errors. The CPU engine runs layers one after another
@@ -32,8 +43,10 @@ overlap with and do nothing; the transports copy whole prompts.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -55,6 +68,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 logger = logging.getLogger(__name__)
@@ -84,6 +98,7 @@ class SaveSpec:
     location: str
     block_ids: list[int]
     num_tokens: int
+    transport: str = "shm"
 
 
 @dataclass
@@ -102,19 +117,27 @@ class PdConnector(KVConnectorBase_V1):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         extra = self._kv_transfer_config.kv_connector_extra_config or {}
         self._block_size = vllm_config.cache_config.block_size
-        self._transport_cls = transport_class(extra.get("transport", "shm"))
+        names = extra.get("transports") or [extra.get("transport", "shm")]
+        self._transport_classes = {name: transport_class(name) for name in names}
+        self._default_transport = names[0]
         self._extra_config = dict(extra)
         self._producer_id = str(extra.get("producer_id", self._kv_transfer_config.engine_id))
         self._layout = expected_layout(vllm_config)
         # Scheduler half.
-        self._pending_saves: dict[str, tuple[Request, str]] = {}
+        self._pending_saves: dict[str, tuple[Request, dict[str, str]]] = {}
         self._pending_loads: dict[str, LoadSpec] = {}
         self._num_external_tokens: dict[str, int] = {}
         self._saved: dict[str, KVHandle] = {}
+        # Blocks a load is filling, until the request finishes: a failed load means the
+        # engine recomputed those tokens, and the request reports no external tokens.
+        self._loading_blocks: dict[str, set[int]] = {}
         # Worker half.
         self._layers: list[torch.Tensor] = []
-        self._transport: KVTransport | None = None
+        self._transports: dict[str, KVTransport] = {}
         self._failed_block_ids: set[int] = set()
+        # Producer requests whose blocks stay held under a lease: id -> location.
+        self._held: dict[str, str] = {}
+        self._held_finished: set[str] = set()
 
     # ==============================
     # Scheduler half
@@ -124,7 +147,13 @@ class PdConnector(KVConnectorBase_V1):
         params = request.kv_transfer_params or {}
         if SAVE_KEY in params:
             assert self._kv_transfer_config.is_kv_producer, "save asked of a consumer engine"
-            self._pending_saves[request.request_id] = (request, params[SAVE_KEY])
+            save = params[SAVE_KEY]
+            if isinstance(save, str):
+                save = {"transport": self._default_transport, "location": save}
+            assert save["transport"] in self._transport_classes, (
+                f"transport {save['transport']!r} not served here: {list(self._transport_classes)}"
+            )
+            self._pending_saves[request.request_id] = (request, save)
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
@@ -152,12 +181,13 @@ class PdConnector(KVConnectorBase_V1):
             num_tokens=num_external_tokens,
         )
         self._num_external_tokens[request.request_id] = num_external_tokens
+        self._loading_blocks[request.request_id] = set(self._pending_loads[request.request_id].block_ids)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> PdConnectorMetadata:
         meta = PdConnectorMetadata(loads=list(self._pending_loads.values()))
         self._pending_loads.clear()
         scheduled = scheduler_output.num_scheduled_tokens
-        for request_id, (request, location) in list(self._pending_saves.items()):
+        for request_id, (request, save) in list(self._pending_saves.items()):
             num_scheduled = scheduled.get(request_id, 0)
             if num_scheduled == 0:
                 continue
@@ -167,11 +197,17 @@ class PdConnector(KVConnectorBase_V1):
             num_blocks = -(-request.num_prompt_tokens // self._block_size)
             block_ids = self._kv_cache_manager.get_block_ids(request_id)[0][:num_blocks]
             meta.saves.append(
-                SaveSpec(request_id, location, list(block_ids), request.num_prompt_tokens)
+                SaveSpec(
+                    request_id,
+                    save["location"],
+                    list(block_ids),
+                    request.num_prompt_tokens,
+                    save["transport"],
+                )
             )
             self._saved[request_id] = KVHandle(
-                transport=self._transport_cls.name,
-                location=location,
+                transport=save["transport"],
+                location=save["location"],
                 num_tokens=request.num_prompt_tokens,
                 layout=self._layout,
                 producer_id=self._producer_id,
@@ -179,21 +215,32 @@ class PdConnector(KVConnectorBase_V1):
             del self._pending_saves[request_id]
         return meta
 
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        failed = connector_output.invalid_block_ids
+        if not failed:
+            return
+        for request_id, blocks in self._loading_blocks.items():
+            if blocks & failed:
+                self._num_external_tokens[request_id] = 0
+
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
+        self._loading_blocks.pop(request.request_id, None)
         self._pending_saves.pop(request.request_id, None)
         self._pending_loads.pop(request.request_id, None)
         num_external = self._num_external_tokens.pop(request.request_id, 0)
         saved = self._saved.pop(request.request_id, None)
         if saved is not None:
-            return False, {HANDLE_KEY: saved.to_dict()}
+            # shm publishes the engine's own blocks: vLLM keeps them until the lease ends.
+            holds = getattr(self._transport_classes[saved.transport], "holds_blocks", False)
+            return holds, {HANDLE_KEY: saved.to_dict()}
         handle = _load_handle(request)
         if handle is None:
             return False, None
         # The worker frees the handle after loading it; a request aborted or finished before
         # its load ran (or one that needed none of it) would otherwise hold it until its lease ends.
-        self._transport_cls.release(handle.location)
+        transport_class(handle.transport).release(handle.location)
         return False, {"num_external_tokens": num_external}
 
     def _loadable_tokens(self, request: Request, handle: KVHandle) -> int:
@@ -208,8 +255,29 @@ class PdConnector(KVConnectorBase_V1):
         self._layers = list(kv_caches.values())
         layout = KVLayout.from_kv_caches(self._layers)
         assert layout == self._layout, f"engine allocated {layout}, expected {self._layout}"
-        self._transport = self._transport_cls(layout, self._producer_id, self._extra_config)
-        logger.info("PdConnector ready: transport=%s layout=%s", self._transport.name, layout)
+        if self._kv_transfer_config.is_kv_producer:
+            for name, cls in self._transport_classes.items():
+                self._transports[name] = cls(layout, self._producer_id, self._extra_config)
+        logger.info(
+            "PdConnector ready: role=%s transports=%s layout=%s",
+            self._kv_transfer_config.kv_role, ",".join(self._transport_classes), layout,
+        )
+
+    def get_mem_pool_context(self) -> AbstractContextManager | None:
+        # A producer serving shm keeps its whole KV cache in shared memory, so a consumer
+        # on this host copies blocks straight out of it.
+        if self._kv_transfer_config.is_kv_producer and "shm" in self._transport_classes:
+            from kvtransfer.shm import kv_cache_in_shm
+
+            return kv_cache_in_shm(self._producer_id)
+        return None
+
+    def _transport(self, name: str) -> KVTransport:
+        transport = self._transports.get(name)
+        if transport is None:  # a consumer reads any transport a handle names
+            transport = transport_class(name)(self._layout, self._producer_id, self._extra_config)
+            self._transports[name] = transport
+        return transport
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
@@ -218,24 +286,26 @@ class PdConnector(KVConnectorBase_V1):
             self._load(load)
 
     def _load(self, load: LoadSpec) -> None:
-        assert self._transport is not None
+        name = load.handle.transport
         started = time.perf_counter()
         block_ids = torch.tensor(load.block_ids, dtype=torch.long)
         try:
-            self._transport.recv(load.handle, self._layers, block_ids, load.first_block)
+            transport = self._transport(name)
+            transport.recv(load.handle, self._layers, block_ids, load.first_block)
         except (KVTransferError, ValueError) as e:
             reason = getattr(e, "reason", "layout")
             logger.warning("KV load failed for %s (%s): %s", load.request_id, reason, e)
-            metrics.record_failure(self._transport.name, reason)
+            metrics.record_failure(name, reason)
             self._failed_block_ids.update(load.block_ids)
             return
         finally:
-            self._transport_cls.release(load.handle.location)
+            with contextlib.suppress(ValueError):
+                transport_class(name).release(load.handle.location)
         metrics.record_transfer(
-            self._transport.name,
+            name,
             "recv",
             load.num_tokens,
-            len(load.block_ids) * self._transport.layout.block_nbytes * len(self._layers),
+            len(load.block_ids) * self._layout.block_nbytes * len(self._layers),
             time.perf_counter() - started,
         )
 
@@ -254,26 +324,52 @@ class PdConnector(KVConnectorBase_V1):
     def wait_for_save(self) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, PdConnectorMetadata)
-        assert self._transport is not None or not meta.saves
         for save in meta.saves:
             started = time.perf_counter()
             block_ids = torch.tensor(save.block_ids, dtype=torch.long)
-            self._transport.send(save.location, self._layers, block_ids)
+            transport = self._transports[save.transport]
+            try:
+                transport.send(save.location, self._layers, block_ids)
+            except KVTransferError as e:
+                # The consumer finds no KV there and its load-failure policy decides.
+                logger.warning("KV save failed for %s (%s): %s", save.request_id, e.reason, e)
+                metrics.record_failure(save.transport, e.reason)
+                continue
+            if getattr(transport, "holds_blocks", False):
+                self._held[save.request_id] = save.location
             metrics.record_transfer(
-                self._transport.name,
+                save.transport,
                 "send",
                 save.num_tokens,
-                len(save.block_ids) * self._transport.layout.block_nbytes * len(self._layers),
+                len(save.block_ids) * self._layout.block_nbytes * len(self._layers),
                 time.perf_counter() - started,
             )
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Producer: requests whose held blocks may be freed (their shm lease ended).
+
+        Only requests the scheduler has finished count (vLLM frees a request's blocks once
+        and only after it finished); one finished before its lease ended waits here.
+        """
+        if not self._held:
+            return None, None
+        from kvtransfer.shm import ShmTransport
+
+        self._held_finished.update(finished_req_ids & self._held.keys())
+        done = {r for r in self._held_finished if not ShmTransport.lease_held(self._held[r])}
+        for request_id in done:
+            del self._held[request_id]
+        self._held_finished -= done
+        metrics.set_leases("shm", len(self._held))
+        return done or None, None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         failed, self._failed_block_ids = self._failed_block_ids, set()
         return failed
 
     def shutdown(self) -> None:
-        if self._transport is not None:
-            self._transport.close()
+        for transport in self._transports.values():
+            transport.close()
 
 
 def _load_handle(request: Request) -> KVHandle | None:

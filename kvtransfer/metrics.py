@@ -46,3 +46,7 @@ def record_transfer(transport: str, direction: str, num_tokens: int, nbytes: int
 
 def record_failure(transport: str, reason: str) -> None:
     TRANSFER_FAILURES.labels(transport, reason).inc()
+
+
+def set_leases(transport: str, count: int) -> None:
+    LEASES_OUTSTANDING.labels(transport).set(count)

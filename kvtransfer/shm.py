@@ -1,46 +1,175 @@
-"""Same-host KV transport through files in /dev/shm (tmpfs: RAM, no disk).
+"""Same-host KV transport through shared memory, with one copy in all.
 
-The producer gathers the prompt's blocks straight from its paged KV tensors into a
-memory-mapped file (one copy), laid out ``(num_layers, num_blocks, heads, block_size,
-entry)``, and renames it into place so a reader never sees half a file. The consumer maps
-the file and scatters the blocks straight into its own paged tensors (one copy), then
-unlinks it. A file nobody collects is swept by its producer when its lease ends.
+The producer engine's paged KV cache itself lives in shared memory: its connector places
+vLLM's one KV allocation in a file in /dev/shm (``kv_cache_in_shm``). Publishing a prompt
+therefore copies nothing: ``send`` writes a small lease file naming the prompt's blocks and
+the cache's geometry, and the producer engine keeps those blocks (vLLM's delayed free) for
+as long as the lease file exists. The consumer maps the producer's cache once, reads the
+lease, and copies the blocks straight out of the producer's cache into its own.
+
+A lease ends in one of three ways, each removing the lease file:
+  - the consumer claims it (an atomic rename, so an expiring lease cannot free the blocks
+    under a copy in progress), copies, and unlinks the claim;
+  - ``release(location)`` from any process (the gateway gave up on the request);
+  - the producer's sweeper finds it older than the lease (``sweep_expired``).
+The producer engine sees the file gone and frees the blocks (``lease_held``).
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
+import json
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from kvtransfer.layout import KVHandle
+from kvtransfer.layout import KVHandle, KVLayout
 from kvtransfer.transport import KVTransferError, KVTransport
 
 SHM_DIR = Path("/dev/shm")
-PREFIX = "pdserve-kv-"
+PREFIX = "pdserve-kv-"  # lease files: pdserve-kv-<producer_id>-<key>
+CACHE_PREFIX = "pdserve-kvcache-"  # producer caches: pdserve-kvcache-<producer_id>-<pid>
+CLAIMED = ".claimed"
+
+
+@dataclass(frozen=True, slots=True)
+class SharedCache:
+    """A KV cache allocation backed by a file in /dev/shm."""
+
+    path: str
+    inode: int
+    nbytes: int
+
+
+# Shared KV caches of this process, by the data pointer of their storage.
+_caches: dict[int, SharedCache] = {}
+
+
+def shared_buffer(producer_id: str, nbytes: int) -> torch.Tensor:
+    """A ``(nbytes,)`` uint8 tensor backed by a new file in /dev/shm, its pages allocated.
+
+    The file's pages are allocated up front (``posix_fallocate``) and touched once, so the
+    engine's first writes to a block do not fault fresh tmpfs pages in one by one.
+    """
+    path = SHM_DIR / f"{CACHE_PREFIX}{producer_id}-{os.getpid()}"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+        inode = os.fstat(fd).st_ino
+    finally:
+        os.close(fd)
+    buffer = torch.from_file(str(path), shared=True, size=nbytes, dtype=torch.uint8)
+    buffer.zero_()
+    _caches[buffer.untyped_storage().data_ptr()] = SharedCache(str(path), inode, nbytes)
+    atexit.register(Path(path).unlink, missing_ok=True)
+    return buffer
+
+
+def share(tensor: torch.Tensor, producer_id: str) -> torch.Tensor:
+    """A copy of a contiguous CPU tensor in a shared KV cache file (tests, benchmarks)."""
+    buffer = shared_buffer(producer_id, tensor.numel() * tensor.element_size())
+    shared = buffer.view(tensor.dtype).view(tensor.shape)
+    shared.copy_(tensor)
+    return shared
+
+
+def move_to_shared(kv_caches: dict[str, torch.Tensor], producer_id: str) -> None:
+    """Re-points vLLM's per-layer KV views at a shared copy of their one backing allocation.
+
+    vLLM allocates the whole cache as one buffer and views every layer into it; each view
+    keeps its offset, shape and strides, only the memory under it changes. Called before
+    vLLM binds the views to its attention layers.
+    """
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage() for t in kv_caches.values()}
+    assert len(storages) == 1, f"expected one KV allocation, found {len(storages)}"
+    (storage,) = storages.values()
+    assert storage.device.type == "cpu", "shared-memory KV needs a CPU cache"
+    buffer = shared_buffer(producer_id, storage.nbytes())
+    target = buffer.untyped_storage()
+    for t in kv_caches.values():
+        t.set_(target, t.storage_offset(), t.size(), t.stride())
+
+
+@contextlib.contextmanager
+def kv_cache_in_shm(producer_id: str) -> Iterator[None]:
+    """Within it, vLLM's KV cache allocation lands in shared memory.
+
+    vLLM enters a connector's allocation context (``get_mem_pool_context``) around its one
+    call to ``allocate_kv_cache``; we wrap that call and move its result into a shared file.
+    """
+    from vllm.v1.worker import gpu_model_runner
+
+    original = gpu_model_runner.allocate_kv_cache
+
+    def allocate(*args: Any, **kwargs: Any) -> dict[str, torch.Tensor]:
+        kv_caches = original(*args, **kwargs)
+        move_to_shared(kv_caches, producer_id)
+        return kv_caches
+
+    gpu_model_runner.allocate_kv_cache = allocate
+    try:
+        yield
+    finally:
+        gpu_model_runner.allocate_kv_cache = original
 
 
 class ShmTransport(KVTransport):
     name = "shm"
+    # The producer engine holds the published blocks until the lease ends (no staging copy).
+    holds_blocks = True
+
+    def __init__(
+        self, layout: KVLayout, producer_id: str, extra_config: Mapping[str, Any] | None = None
+    ) -> None:
+        super().__init__(layout, producer_id, extra_config)
+        # Producer caches mapped by this consumer: path -> (inode, bytes).
+        self._mapped: dict[str, tuple[int, torch.Tensor]] = {}
 
     @classmethod
     def location_for(cls, key: str, extra_config: Mapping[str, Any] | None = None) -> str:
         assert "/" not in key, key
         return str(SHM_DIR / f"{PREFIX}{key}")
 
+    # ------------------------------ producer ------------------------------
+
     def send(self, location: str, layers: Sequence[torch.Tensor], block_ids: torch.Tensor) -> None:
-        num_blocks = block_ids.numel()
-        shape = (len(layers), num_blocks, *self.layout.block_shape)
+        cache = _caches.get(layers[0].untyped_storage().data_ptr())
+        if cache is None or any(
+            layer.untyped_storage().data_ptr() != layers[0].untyped_storage().data_ptr()
+            for layer in layers
+        ):
+            raise KVTransferError(
+                "layout", "shm sends need the producer's KV cache in one shared-memory file "
+                "(kv_cache_in_shm / shared_buffer)"
+            )
+        stride = layers[0].stride()
+        assert all(layer.stride() == stride for layer in layers)
+        lease = {
+            "cache": cache.path,
+            "inode": cache.inode,
+            "nbytes": cache.nbytes,
+            "num_blocks": layers[0].shape[0],
+            "stride": list(stride),
+            "offsets": [layer.storage_offset() for layer in layers],
+            "block_ids": block_ids.tolist(),
+        }
         tmp = f"{location}.tmp"
-        dst = _map(tmp, shape, self.layout.torch_dtype, create=True)
-        for layer, out in zip(layers, dst, strict=True):
-            torch.index_select(layer, 0, block_ids, out=out)  # (num_blocks, H, N, C)
-        del dst
+        with open(tmp, "w") as f:
+            json.dump(lease, f)
         os.replace(tmp, location)
+
+    @staticmethod
+    def lease_held(location: str) -> bool:
+        """Whether the producer must still keep the blocks published under ``location``."""
+        return os.path.exists(location) or os.path.exists(location + CLAIMED)
+
+    # ------------------------------ consumer ------------------------------
 
     def recv(
         self,
@@ -50,52 +179,96 @@ class ShmTransport(KVTransport):
         first_block: int,
     ) -> None:
         self.layout.check_compatible(handle.layout)
-        num_src_blocks = self.layout.num_blocks(handle.num_tokens)
-        if first_block + block_ids.numel() > num_src_blocks:
+        claimed = handle.location + CLAIMED
+        try:
+            os.rename(handle.location, claimed)
+        except FileNotFoundError:
             raise KVTransferError(
-                "size",
-                f"asked for blocks {first_block}..{first_block + block_ids.numel()} of a handle "
-                f"holding {num_src_blocks}",
-            )
-        shape = (len(layers), num_src_blocks, *self.layout.block_shape)
-        src = _map(handle.location, shape, self.layout.torch_dtype, create=False)
-        last_block = first_block + block_ids.numel()
-        for layer, blocks in zip(layers, src, strict=True):
-            layer.index_copy_(0, block_ids, blocks[first_block:last_block])
+                "missing", f"KV lease {handle.location} is gone (expired or released)"
+            ) from None
+        try:
+            with open(claimed) as f:
+                lease = json.load(f)
+            src_ids = lease["block_ids"]
+            last_block = first_block + block_ids.numel()
+            if last_block > len(src_ids) or self.layout.num_blocks(handle.num_tokens) > len(src_ids):
+                raise KVTransferError(
+                    "size",
+                    f"asked for blocks {first_block}..{last_block} of a lease holding "
+                    f"{len(src_ids)}",
+                )
+            sources = self._producer_layers(lease)
+            if len(sources) != len(layers):
+                raise KVTransferError(
+                    "layout", f"producer has {len(sources)} layers, this engine {len(layers)}"
+                )
+            src = torch.tensor(src_ids[first_block:last_block], dtype=torch.long)
+            for layer, source in zip(layers, sources, strict=True):
+                layer.index_copy_(0, block_ids, source.index_select(0, src))
+        finally:
+            Path(claimed).unlink(missing_ok=True)
+
+    def _producer_layers(self, lease: dict[str, Any]) -> list[torch.Tensor]:
+        path, inode, nbytes = lease["cache"], lease["inode"], lease["nbytes"]
+        mapped = self._mapped.get(path)
+        if mapped is None or mapped[0] != inode:
+            try:
+                stat = os.stat(path)
+            except FileNotFoundError:
+                raise KVTransferError("peer", f"producer KV cache {path} is gone") from None
+            if stat.st_ino != inode or stat.st_size != nbytes:
+                raise KVTransferError("peer", f"producer KV cache {path} was replaced")
+            buffer = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
+            mapped = self._mapped[path] = (inode, buffer)
+        flat = mapped[1].view(self.layout.torch_dtype)
+        shape = (lease["num_blocks"], *self.layout.block_shape)
+        stride = tuple(lease["stride"])
+        return [flat.as_strided(shape, stride, offset) for offset in lease["offsets"]]
 
     @classmethod
     def release(cls, location: str) -> None:
+        # A claimed lease belongs to the consumer copying it; only an unclaimed one is freed.
         Path(location).unlink(missing_ok=True)
 
-
-def _map(path: str, shape: tuple[int, ...], dtype: torch.dtype, create: bool) -> torch.Tensor:
-    numel = 1
-    for dim in shape:
-        numel *= dim
-    nbytes = numel * dtype.itemsize
-    if create:
-        with open(path, "wb") as f:
-            f.truncate(nbytes)
-    else:
-        try:
-            size = os.stat(path).st_size
-        except FileNotFoundError:
-            raise KVTransferError("missing", f"KV file {path} is gone (lease expired?)") from None
-        if size != nbytes:
-            raise KVTransferError("size", f"KV file {path} holds {size} bytes, expected {nbytes}")
-    flat = torch.from_file(path, shared=create, size=nbytes, dtype=torch.uint8)
-    return flat.view(dtype).view(shape)
+    def close(self) -> None:
+        self._mapped.clear()
 
 
 def sweep_expired(producer_id: str, lease_s: float, now: float | None = None) -> list[str]:
-    """Unlinks this producer's files older than the lease; returns their paths."""
+    """Ends this producer's leases older than ``lease_s``; returns their paths.
+
+    A claim (a consumer mid-copy) gets twice as long: only a consumer that died holding it
+    leaves one that old.
+    """
     now = time.time() if now is None else now
     swept = []
     for path in SHM_DIR.glob(f"{PREFIX}{producer_id}-*"):
+        limit = 2 * lease_s if path.name.endswith(CLAIMED) else lease_s
         try:
-            if now - path.stat().st_mtime > lease_s:
+            if now - path.stat().st_mtime > limit:
                 path.unlink(missing_ok=True)
                 swept.append(str(path))
         except FileNotFoundError:
             continue
     return swept
+
+
+def sweep_orphan_caches() -> list[str]:
+    """Unlinks shared KV caches whose owning process is gone (a producer that was killed)."""
+    swept = []
+    for path in SHM_DIR.glob(f"{CACHE_PREFIX}*"):
+        pid = path.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and not _alive(int(pid)):
+            path.unlink(missing_ok=True)
+            swept.append(str(path))
+    return swept
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -45,7 +45,11 @@ def cmd_worker(args) -> int:
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         enforce_eager=not args.compile,
-        kv_transport=args.kv_transport,
+        kv_transports=tuple(t for t in args.kv_transport.split(",") if t),
+        kv_tcp_port=args.kv_tcp_port,
+        kv_nccl_port=args.kv_nccl_port,
+        kv_host=args.kv_host,
+        kv_timeout_s=args.kv_timeout_s,
         kv_lease_s=args.kv_lease_s,
         kv_load_failure_policy=args.kv_load_failure_policy,
         metrics_port=args.metrics_port,
@@ -72,6 +76,7 @@ def cmd_gateway(args) -> int:
         tokenizer_workers=args.tokenizer_workers,
         metrics_port=args.metrics_port,
         max_inflight=args.max_inflight,
+        kv_transport=args.kv_transport,
         json_logs=args.json_logs,
     )
     return main(cfg)
@@ -114,9 +119,16 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--cpus", default=None, help="cores for the engine's threads, e.g. 0 or 0-3")
         p.add_argument("--max-num-seqs", type=int, default=64)
         p.add_argument("--compile", action="store_true", help="torch.compile the model (slow first boot)")
-        # tcp, nccl and cuda_ipc exist in kvtransfer/ but are not yet wired into the workers.
-        p.add_argument("--kv-transport", choices=("shm",), default="shm")
-        p.add_argument("--kv-lease-s", type=float, default=30.0)
+        p.add_argument("--kv-transport", default="shm,tcp,nccl",
+                       help="KV transports served (prefill) or read (decode), comma-separated: "
+                            "shm, tcp, nccl (gloo on CPU), cuda_ipc")
+        p.add_argument("--kv-tcp-port", type=int, default=0, help="prefill: tcp transport port (0: free)")
+        p.add_argument("--kv-nccl-port", type=int, default=0, help="prefill: nccl transport port (0: free)")
+        p.add_argument("--kv-host", default=None, help="prefill: address decode workers reach the "
+                                                       "tcp/nccl transports at (default: --host)")
+        p.add_argument("--kv-timeout-s", type=float, default=10.0, help="KV socket operations give up after this")
+        p.add_argument("--kv-lease-s", type=float, default=30.0,
+                       help="prefill: seconds a prompt's KV waits for its decode worker")
         p.add_argument("--kv-load-failure-policy", choices=("fail", "recompute"), default="recompute")
         p.add_argument("--metrics-port", type=int, default=None)
         p.add_argument("--worker-id", default=None)
@@ -131,6 +143,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--decode", action="append", required=True, help="decode worker host:port (repeatable)")
     p.add_argument("--tokenizer-workers", type=int, default=1)
     p.add_argument("--max-inflight", type=int, default=256)
+    p.add_argument("--kv-transport", default="auto", choices=("auto", "shm", "tcp", "nccl", "cuda_ipc"),
+                   help="KV transport between the tiers (auto: shared memory on one host, else the network)")
     p.add_argument("--metrics-port", type=int, default=None)
     p.add_argument("--json-logs", action="store_true")
     p.set_defaults(func=cmd_gateway)

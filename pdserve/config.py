@@ -6,6 +6,7 @@ import uuid
 from dataclasses import dataclass, field
 
 ROLES = ("prefill", "decode")
+KV_TRANSPORTS = ("shm", "tcp", "nccl", "cuda_ipc")
 LOAD_FAILURE_POLICIES = ("fail", "recompute")
 
 
@@ -26,7 +27,15 @@ class WorkerConfig:
     max_num_batched_tokens: int | None = None
     enforce_eager: bool = True
     enable_prefix_caching: bool = True
-    kv_transport: str = "shm"
+    # KV transports this worker serves (prefill) or reads (decode), in order of preference.
+    kv_transports: tuple[str, ...] = ("shm", "tcp", "nccl")
+    # Prefill side: ports of the tcp and nccl transports' control servers (0: a free one,
+    # picked at start-up), and the address decode workers reach them at (default: host).
+    kv_tcp_port: int = 0
+    kv_nccl_port: int = 0
+    kv_host: str | None = None
+    # Every KV socket operation and wait (connect, fetch, pair) gives up after this.
+    kv_timeout_s: float = 10.0
     # How long a prefill worker keeps a prompt's KV for a decode worker that has not taken it.
     kv_lease_s: float = 30.0
     # Decode side: what a failed KV load does: fail the request, or recompute the prompt.
@@ -42,6 +51,14 @@ class WorkerConfig:
             raise ValueError(f"--block-size must be a positive multiple of 16 (32 on CPU), got {self.block_size}")
         if self.kv_cache_gib <= 0:
             raise ValueError(f"--kv-cache-gib must be positive, got {self.kv_cache_gib}")
+        unknown = set(self.kv_transports) - set(KV_TRANSPORTS)
+        if not self.kv_transports or unknown:
+            raise ValueError(
+                f"--kv-transport takes a comma-separated list of {', '.join(KV_TRANSPORTS)}; "
+                f"got {','.join(self.kv_transports) or 'nothing'}"
+            )
+        if self.kv_timeout_s <= 0:
+            raise ValueError(f"--kv-timeout-s must be positive, got {self.kv_timeout_s}")
         if self.kv_lease_s <= 0:
             raise ValueError(f"--kv-lease-s must be positive, got {self.kv_lease_s}")
         if self.kv_load_failure_policy not in LOAD_FAILURE_POLICIES:
@@ -68,6 +85,9 @@ class GatewayConfig:
     poll_interval_s: float = 1.0
     # Requests in flight at once (queued or running) before RESOURCE_EXHAUSTED.
     max_inflight: int = 256
+    # KV transport between a prefill and a decode worker: "auto" picks by where they run
+    # (same host: shm on CPU, cuda_ipc on GPU; else nccl on GPU, tcp on CPU).
+    kv_transport: str = "auto"
     json_logs: bool = False
 
     def __post_init__(self) -> None:

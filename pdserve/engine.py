@@ -7,7 +7,9 @@ request (``detokenize=False``); its tokenizer stays loaded for EOS handling.
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import socket
 from typing import TYPE_CHECKING
 
 from pdserve.config import WorkerConfig
@@ -39,7 +41,7 @@ def build_engine(cfg: WorkerConfig) -> AsyncLLM:
         kv_connector_module_path="kvtransfer.connector",
         kv_role=KV_ROLES[cfg.role],
         kv_load_failure_policy=cfg.kv_load_failure_policy,
-        kv_connector_extra_config={"transport": cfg.kv_transport, "producer_id": cfg.worker_id},
+        kv_connector_extra_config=kv_extra_config(cfg),
     )
     args = AsyncEngineArgs(
         model=cfg.model,
@@ -53,6 +55,39 @@ def build_engine(cfg: WorkerConfig) -> AsyncLLM:
         disable_log_stats=False,
     )
     return AsyncLLM.from_engine_args(args)
+
+
+def resolve_kv_ports(cfg: WorkerConfig) -> WorkerConfig:
+    """Picks free ports for a prefill worker's tcp/nccl transports left at 0: a location
+    names its port, so it must be known before the engine starts serving it."""
+    from pdserve.launcher import free_port
+
+    if cfg.role != "prefill":
+        return cfg
+    host = cfg.kv_host or cfg.host
+    ports = {}
+    if "tcp" in cfg.kv_transports and not cfg.kv_tcp_port:
+        ports["kv_tcp_port"] = free_port(host)
+    if "nccl" in cfg.kv_transports and not cfg.kv_nccl_port:
+        ports["kv_nccl_port"] = free_port(host)
+    return dataclasses.replace(cfg, kv_host=host, **ports)
+
+
+def kv_extra_config(cfg: WorkerConfig) -> dict:
+    """The connector's ``kv_connector_extra_config``; a prefill worker builds its KV
+    locations from the same dict (its tcp/nccl ports)."""
+    extra: dict = {
+        "transports": list(cfg.kv_transports),
+        "producer_id": cfg.worker_id,
+        "kv_timeout_s": cfg.kv_timeout_s,
+        "kv_lease_s": cfg.kv_lease_s,
+    }
+    if cfg.role == "prefill":
+        host = cfg.kv_host or cfg.host
+        for name, port in (("tcp", cfg.kv_tcp_port), ("nccl", cfg.kv_nccl_port)):
+            if name in cfg.kv_transports:
+                extra |= {f"{name}_host": host, f"{name}_port": port}
+    return extra
 
 
 def sampling_params(
@@ -92,10 +127,16 @@ def worker_info(engine: AsyncLLM, cfg: WorkerConfig) -> worker_pb2.WorkerInfo:
         model=cfg.model,
         max_model_len=model_config.max_model_len,
         layout=layout_to_proto(layout),
-        transports=[cfg.kv_transport],
+        transports=list(cfg.kv_transports),
         vocab_size=model_config.get_vocab_size(),
         eos_token_id=eos if eos is not None else 0,
+        hostname=socket.gethostname(),
+        kv_device=_device_type(engine.vllm_config.device_config.device),
     )
+
+
+def _device_type(device) -> str:
+    return str(getattr(device, "type", device) or "cpu")
 
 
 def layout_to_proto(layout) -> worker_pb2.KvLayout:

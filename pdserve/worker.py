@@ -28,6 +28,9 @@ AddServicer = Callable[[Any, Any, WorkerConfig], str]
 
 
 def run_worker(cfg: WorkerConfig, add_servicer: AddServicer, background: Callable[..., Awaitable[None]] | None = None) -> int:
+    from pdserve.engine import resolve_kv_ports
+
+    cfg = resolve_kv_ports(cfg)
     setup_logging(f"{cfg.role}[{cfg.worker_id}]", json_logs=cfg.json_logs)
     # Must precede the first prometheus_client import in this process and the engine-core
     # spawn, which inherits it.

@@ -16,7 +16,7 @@ from kvtransfer.connector import HANDLE_KEY, SAVE_KEY
 from kvtransfer.layout import KVHandle
 from kvtransfer.transport import transport_class
 from pdserve.config import WorkerConfig
-from pdserve.engine import layout_to_proto, sampling_params, worker_info
+from pdserve.engine import kv_extra_config, layout_to_proto, sampling_params, worker_info
 from pdserve.rpc import InvalidArgument, rpc_errors
 from protos import worker_pb2, worker_pb2_grpc
 
@@ -30,7 +30,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         self._engine = engine
         self._cfg = cfg
         self._info = worker_info(engine, cfg)
-        self._transport_cls = transport_class(cfg.kv_transport)
+        self._kv_extra = kv_extra_config(cfg)
 
     @rpc_errors
     async def Prefill(self, request: worker_pb2.PrefillRequest, context) -> worker_pb2.PrefillResponse:
@@ -38,8 +38,10 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
 
         token_ids = list(request.token_ids)
         _check_prompt(token_ids, self._info)
-        location = self._transport_cls.location_for(f"{self._cfg.worker_id}-{uuid.uuid4().hex}")
-        params = sampling_params(request.sampling, max_tokens=1, kv_transfer_params={SAVE_KEY: location})
+        transport = self._transport(request.kv_transport or self._cfg.kv_transports[0])
+        location = transport.location_for(f"{self._cfg.worker_id}-{uuid.uuid4().hex}", self._kv_extra)
+        save = {"transport": transport.name, "location": location}
+        params = sampling_params(request.sampling, max_tokens=1, kv_transfer_params={SAVE_KEY: save})
         request_id = request.request_id or uuid.uuid4().hex
         first_token_id: int | None = None
         async for out in self._engine.generate(TokensPrompt(prompt_token_ids=token_ids), params, request_id):
@@ -55,7 +57,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             num_cached_tokens=final.num_cached_tokens or 0,
         )
         if finish_reason:
-            self._transport_cls.release(location)  # nothing left to decode
+            transport.release(location)  # nothing left to decode
         elif handle is not None:
             reply.kv.CopyFrom(handle_to_proto(KVHandle.from_dict(handle)))
         return reply
@@ -66,8 +68,16 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             raise InvalidArgument(
                 f"handle belongs to worker {request.kv.producer_id!r}, this is {self._cfg.worker_id!r}"
             )
-        self._transport_cls.release(request.kv.location)
+        self._transport(request.kv.transport).release(request.kv.location)
         return worker_pb2.ReleaseResponse()
+
+    def _transport(self, name: str):
+        if name not in self._cfg.kv_transports:
+            raise InvalidArgument(
+                f"kv_transport {name!r} is not served by this prefill worker; it serves "
+                f"{', '.join(self._cfg.kv_transports)}"
+            )
+        return transport_class(name)
 
     @rpc_errors
     async def Info(self, request, context) -> worker_pb2.WorkerInfo:
@@ -106,11 +116,16 @@ def handle_to_proto(handle: KVHandle) -> worker_pb2.KvHandle:
 
 
 async def sweep_leases(cfg: WorkerConfig) -> None:
-    """Frees KV that no decode worker collected before its lease ended."""
-    from kvtransfer.shm import sweep_expired
+    """Frees KV that no decode worker collected before its lease ended (shm; the network
+    transports' staged copies expire inside the engine), and the shared KV caches of
+    producers on this host that were killed."""
+    from kvtransfer.shm import sweep_expired, sweep_orphan_caches
 
-    if cfg.kv_transport != "shm":
+    if "shm" not in cfg.kv_transports:
         return
+    orphans = sweep_orphan_caches()
+    if orphans:
+        logger.info("removed %d shared KV caches left by killed workers", len(orphans))
     while True:
         swept = sweep_expired(cfg.worker_id, cfg.kv_lease_s)
         if swept:

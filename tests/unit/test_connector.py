@@ -11,7 +11,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
 from kvtransfer.connector import HANDLE_KEY, LOAD_KEY, SAVE_KEY, LoadSpec, PdConnector, PdConnectorMetadata, SaveSpec
 from kvtransfer.layout import KVHandle, KVLayout
-from kvtransfer.shm import ShmTransport
+from kvtransfer.shm import ShmTransport, move_to_shared
 
 BLOCK = 4
 LAYOUT = KVLayout(num_layers=2, block_size=BLOCK, num_kv_heads=2, entry_size=8, dtype="bfloat16")
@@ -30,10 +30,12 @@ class FakeModelConfig:
         return LAYOUT.entry_size // 2
 
 
-def connector(role: KVConnectorRole, kv_role: str) -> PdConnector:
+def connector(role: KVConnectorRole, kv_role: str, transports=("shm",)) -> PdConnector:
     vllm_config = SimpleNamespace(
         kv_transfer_config=KVTransferConfig(
-            kv_connector="PdConnector", kv_role=kv_role, kv_connector_extra_config={"producer_id": "p1"}
+            kv_connector="PdConnector",
+            kv_role=kv_role,
+            kv_connector_extra_config={"producer_id": "p1", "transports": list(transports)},
         ),
         cache_config=SimpleNamespace(block_size=BLOCK, cache_dtype="auto"),
         model_config=FakeModelConfig(),
@@ -104,11 +106,23 @@ def test_producer_saves_once_when_the_last_prompt_chunk_is_scheduled():
     req.num_computed_tokens = 8
     assert c.build_connector_meta(SimpleNamespace(num_scheduled_tokens={"other": 3})).saves == []
     meta = c.build_connector_meta(SimpleNamespace(num_scheduled_tokens={"r1": 2}))
-    assert meta.saves == [SaveSpec("r1", "/dev/shm/pdserve-kv-p1-a", block_ids=[5, 6, 8], num_tokens=10)]
+    assert meta.saves == [SaveSpec("r1", "/dev/shm/pdserve-kv-p1-a", block_ids=[5, 6, 8], num_tokens=10, transport="shm")]
     assert c.build_connector_meta(SimpleNamespace(num_scheduled_tokens={"r1": 1})).saves == []
     delay, params = c.request_finished(req, [5, 6, 8, 2])
-    assert delay is False
+    assert delay is True, "shm publishes the engine's own blocks: vLLM must keep them"
     assert KVHandle.from_dict(params[HANDLE_KEY]) == KVHandle("shm", "/dev/shm/pdserve-kv-p1-a", 10, LAYOUT, "p1")
+
+
+def test_a_producer_serving_several_transports_saves_through_the_one_asked_for():
+    c = connector(KVConnectorRole.SCHEDULER, "kv_producer", transports=["shm", "tcp"])
+    c._kv_cache_manager = SimpleNamespace(get_block_ids=lambda rid: ([3, 4],))
+    req = fake_request(num_prompt_tokens=6, params={SAVE_KEY: {"transport": "tcp", "location": "tcp://h:1/k"}})
+    c.on_new_request(req)
+    meta = c.build_connector_meta(SimpleNamespace(num_scheduled_tokens={"r1": 6}))
+    assert meta.saves == [SaveSpec("r1", "tcp://h:1/k", block_ids=[3, 4], num_tokens=6, transport="tcp")]
+    delay, params = c.request_finished(req, [3, 4])
+    assert delay is False, "tcp stages a copy; the engine's blocks are free at once"
+    assert params[HANDLE_KEY]["transport"] == "tcp"
 
 
 def test_producer_request_aborted_before_its_prefill_completes_has_no_handle():
@@ -122,15 +136,18 @@ def test_producer_request_aborted_before_its_prefill_completes_has_no_handle():
 # ---- worker halves, through the shm transport ----
 
 
-def paged(seed: int | None) -> dict[str, torch.Tensor]:
-    shape = (16, LAYOUT.num_kv_heads, BLOCK, LAYOUT.entry_size)  # (num_blocks, H, N, C)
-    gen = torch.Generator().manual_seed(seed) if seed is not None else None
-    return {
-        f"model.layers.{i}.self_attn.attn": (
-            torch.randn(shape, generator=gen).to(torch.bfloat16) if gen else torch.zeros(shape, dtype=torch.bfloat16)
-        )
-        for i in range(LAYOUT.num_layers)
-    }
+def paged(seed: int | None, shared: bool = False) -> dict[str, torch.Tensor]:
+    """Per-layer (num_blocks, H, N, C) views into one allocation, as vLLM lays them out;
+    ``shared``: moved into shared memory the way a producer engine's cache is."""
+    shape = (LAYOUT.num_layers, 16, LAYOUT.num_kv_heads, BLOCK, LAYOUT.entry_size)
+    caches = {f"model.layers.{i}.self_attn.attn": t for i, t in enumerate(torch.zeros(shape, dtype=torch.bfloat16).unbind(0))}
+    if shared:
+        move_to_shared(caches, f"test{uuid.uuid4().hex[:8]}")
+    if seed is not None:
+        gen = torch.Generator().manual_seed(seed)
+        for t in caches.values():
+            t.copy_(torch.randn(t.shape, generator=gen).to(torch.bfloat16))
+    return caches
 
 
 @pytest.fixture
@@ -142,11 +159,12 @@ def location():
 
 def test_blocks_saved_by_a_producer_land_in_the_consumers_blocks(location):
     producer = connector(KVConnectorRole.WORKER, "kv_producer")
-    src = paged(seed=0)
+    src = paged(seed=0, shared=True)
     producer.register_kv_caches(src)
     producer.bind_connector_metadata(PdConnectorMetadata(saves=[SaveSpec("r1", location, [5, 2, 11], 10)]))
     producer.wait_for_save()
-    assert Path(location).stat().st_size == LAYOUT.nbytes(10)
+    assert Path(location).exists(), "a lease names the blocks; they stay in the producer's cache"
+    assert producer.get_finished({"r1"}) == (None, None), "held until the consumer has them"
 
     consumer = connector(KVConnectorRole.WORKER, "kv_consumer")
     dst = paged(seed=None)
@@ -161,7 +179,28 @@ def test_blocks_saved_by_a_producer_land_in_the_consumers_blocks(location):
         untouched = [b for b in range(16) if b not in (7, 0)]
         assert not dst[name][untouched].any()
     assert consumer.get_block_ids_with_load_errors() == set()
-    assert not Path(location).exists(), "the consumer unlinks what it loaded"
+    assert not Path(location).exists(), "the consumer ends the lease once it has the blocks"
+    assert producer.get_finished(set()) == ({"r1"}, None), "the producer engine may free them now"
+    assert producer.get_finished(set()) == (None, None)
+
+
+def test_a_held_lease_is_freed_only_after_its_request_finished(location):
+    producer = connector(KVConnectorRole.WORKER, "kv_producer")
+    producer.register_kv_caches(paged(seed=0, shared=True))
+    producer.bind_connector_metadata(PdConnectorMetadata(saves=[SaveSpec("r1", location, [1], 4)]))
+    producer.wait_for_save()
+    ShmTransport.release(location)  # aborted by the gateway before the engine finished it
+    assert producer.get_finished(set()) == (None, None), "vLLM frees only finished requests"
+    assert producer.get_finished({"r1"}) == ({"r1"}, None)
+
+
+def test_a_producer_cache_outside_shared_memory_fails_the_save_not_the_engine(location):
+    producer = connector(KVConnectorRole.WORKER, "kv_producer")
+    producer.register_kv_caches(paged(seed=0, shared=False))
+    producer.bind_connector_metadata(PdConnectorMetadata(saves=[SaveSpec("r1", location, [1], 4)]))
+    producer.wait_for_save()
+    assert not Path(location).exists()
+    assert producer.get_finished({"r1"}) == (None, None)
 
 
 def test_a_missing_handle_is_a_failed_load_not_a_crash(location):
@@ -176,7 +215,7 @@ def test_a_missing_handle_is_a_failed_load_not_a_crash(location):
 
 def test_a_handle_with_another_layout_is_a_failed_load(location):
     producer = connector(KVConnectorRole.WORKER, "kv_producer")
-    producer.register_kv_caches(paged(seed=1))
+    producer.register_kv_caches(paged(seed=1, shared=True))
     producer.bind_connector_metadata(PdConnectorMetadata(saves=[SaveSpec("r1", location, [1], 4)]))
     producer.wait_for_save()
     consumer = connector(KVConnectorRole.WORKER, "kv_consumer")
@@ -188,3 +227,17 @@ def test_a_handle_with_another_layout_is_a_failed_load(location):
     consumer.start_load_kv(forward_context=None)
     assert consumer.get_block_ids_with_load_errors() == {3}
     assert not any(t.any() for t in dst.values())
+
+
+def test_a_failed_load_reports_no_external_tokens():
+    from vllm.v1.outputs import KVConnectorOutput
+
+    c = connector(KVConnectorRole.SCHEDULER, "kv_consumer")
+    ok = fake_request("ok", num_prompt_tokens=9, params={LOAD_KEY: handle(8).to_dict()})
+    bad = fake_request("bad", num_prompt_tokens=9, params={LOAD_KEY: handle(8).to_dict()})
+    for req, ids in ((ok, [1, 2, 3]), (bad, [4, 5, 6])):
+        n, _ = c.get_num_new_matched_tokens(req, 0)
+        c.update_state_after_alloc(req, blocks(ids), n)
+    c.update_connector_output(KVConnectorOutput(invalid_block_ids={5}))
+    assert c.request_finished(ok, [1, 2, 3])[1] == {"num_external_tokens": 8}
+    assert c.request_finished(bad, [4, 5, 6])[1] == {"num_external_tokens": 0}, "recomputed, not received"

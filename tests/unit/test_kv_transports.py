@@ -20,6 +20,7 @@ import kvtransfer.tcp
 from kvtransfer.bench import ProducerProcess, bitwise_equal, random_layers
 from kvtransfer.layout import KVHandle, KVLayout, LayoutMismatchError
 from kvtransfer.nccl import NcclTransport
+from kvtransfer.shm import share
 from kvtransfer.transport import KVTransferError, KVTransport, choose_transport, transport_class
 
 LAYOUT = KVLayout(num_layers=3, block_size=4, num_kv_heads=2, entry_size=8, dtype="bfloat16")
@@ -72,6 +73,8 @@ def _pair(name: str) -> Iterator[Pair]:
     producer = make_transport(name, LAYOUT, serve=True)
     consumer = make_transport(name, LAYOUT, serve=False)
     src = random_layers(LAYOUT, NUM_BLOCKS, seed=1)
+    if name == "shm":  # an shm producer publishes blocks of a cache in shared memory
+        src = share(src, "test-producer")
     try:
         yield Pair(name, producer, consumer, src, torch.zeros_like(src))
     finally:

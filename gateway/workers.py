@@ -82,7 +82,7 @@ class WorkerPool:
             return preference
         if not common:
             raise LookupError(f"prefill worker {prefill.address} shares no KV transport with the decode tier")
-        same_host = all(r.hostname == prefill.info.hostname for r in readers)
+        same_host = all(r.host_id == prefill.info.host_id for r in readers)
         gpu = prefill.info.kv_device == "cuda"
         wanted = ("cuda_ipc" if gpu else "shm") if same_host else ("nccl" if gpu else "tcp")
         return wanted if wanted in common else common[0]

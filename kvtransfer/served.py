@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import threading
 from abc import abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -100,10 +101,20 @@ class ServedTransport(KVTransport):
         self.config = ServeConfig.from_extra(self.name, extra_config)
         self._leases = LeaseTable(self.name, layout, self.config.lease_s, self.config.pool_bytes)
         self._server: ControlServer | None = None
+        self._closed = threading.Event()
         if self.config.port is not None:
             self._server = ControlServer(
                 self.config.host, self.config.port, self._handle, self.config.timeout_s
             )
+            # Leases also end on time when no new send comes along to sweep them.
+            threading.Thread(target=self._sweep_loop, name=f"kv-{self.name}-leases", daemon=True).start()
+
+    def _sweep_loop(self) -> None:
+        interval_s = max(self.config.lease_s / 4, 0.25)
+        while not self._closed.wait(interval_s):
+            expired = self._leases.sweep()
+            if expired:
+                logger.info("%s: lease expired for %d uncollected KV handoffs", self.name, len(expired))
 
     @property
     def extra_config(self) -> dict[str, Any]:
@@ -154,6 +165,7 @@ class ServedTransport(KVTransport):
             logger.debug("release of %s: producer unreachable (%s); nothing to free", location, e)
 
     def close(self) -> None:
+        self._closed.set()
         if self._server is not None:
             self._server.close()
         self._leases.clear()

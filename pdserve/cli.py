@@ -107,6 +107,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics-port", type=int, default=9400,
                    help="Prometheus ports: gateway here, prefill +1, decode +2 (0: off)")
     p.add_argument("--ready-timeout-s", type=float, default=300.0)
+    p.add_argument("--kv-transport", default="auto", choices=("auto", "shm", "tcp", "nccl"),
+                   help="KV transport between the tiers (auto: shared memory, both run here)")
+    p.add_argument("--kv-lease-s", type=float, default=30.0,
+                   help="seconds a prompt's KV waits for its decode worker")
+    p.add_argument("--kv-timeout-s", type=float, default=10.0, help="KV socket operations give up after this")
     p.add_argument("--json-logs", action="store_true")
     p.set_defaults(func=cmd_up)
 

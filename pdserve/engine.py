@@ -130,9 +130,24 @@ def worker_info(engine: AsyncLLM, cfg: WorkerConfig) -> worker_pb2.WorkerInfo:
         transports=list(cfg.kv_transports),
         vocab_size=model_config.get_vocab_size(),
         eos_token_id=eos if eos is not None else 0,
-        hostname=socket.gethostname(),
+        host_id=host_id(),
         kv_device=_device_type(engine.vllm_config.device_config.device),
     )
+
+
+def host_id() -> str:
+    """This machine's kernel boot id and /dev/shm's device: equal for two processes exactly
+    when they run on one kernel and see the same /dev/shm (containers with ``ipc: host``)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot_id = f.read().strip()
+    except OSError:
+        boot_id = socket.gethostname()
+    try:
+        shm_dev = os.stat("/dev/shm").st_dev
+    except OSError:
+        shm_dev = 0
+    return f"{boot_id}/{shm_dev}"
 
 
 def _device_type(device) -> str:

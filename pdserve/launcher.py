@@ -170,6 +170,7 @@ def build_stack(args) -> Stack:
         common += ["--max-model-len", str(args.max_model_len)]
     if args.json_logs:
         common.append("--json-logs")
+    common += ["--kv-lease-s", str(args.kv_lease_s), "--kv-timeout-s", str(args.kv_timeout_s)]
     metrics = (lambda i: ["--metrics-port", str(args.metrics_port + i)]) if args.metrics_port else (lambda i: [])
     children = [
         Child("prefill", [*py, "prefill", "--port", str(prefill_port), *common, *metrics(1),
@@ -178,7 +179,7 @@ def build_stack(args) -> Stack:
                          *(["--cpus", decode_cpus] if decode_cpus else [])]),
         Child("gateway", [*py, "gateway", "--host", args.host, "--port", str(args.port), "--model", args.model,
                           "--prefill", f"127.0.0.1:{prefill_port}", "--decode", f"127.0.0.1:{decode_port}",
-                          *metrics(0), *(["--json-logs"] if args.json_logs else [])]),
+                          "--kv-transport", args.kv_transport, *metrics(0), *(["--json-logs"] if args.json_logs else [])]),
     ]
     connect_host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
     return Stack(children, f"{connect_host}:{args.port}")

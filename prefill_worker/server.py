@@ -123,10 +123,10 @@ async def sweep_leases(cfg: WorkerConfig) -> None:
 
     if "shm" not in cfg.kv_transports:
         return
-    orphans = sweep_orphan_caches()
-    if orphans:
-        logger.info("removed %d shared KV caches left by killed workers", len(orphans))
     while True:
+        orphans = sweep_orphan_caches()
+        if orphans:
+            logger.info("removed the shared KV caches of %d killed workers: %s", len(orphans), orphans)
         swept = sweep_expired(cfg.worker_id, cfg.kv_lease_s)
         if swept:
             logger.info("lease expired for %d uncollected KV handoffs", len(swept))

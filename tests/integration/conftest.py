@@ -31,6 +31,7 @@ REFERENCE_TIMEOUT_S = 420
 IDENTITY_MAX_TOKENS = 24
 # On and one past block boundaries (32 tokens a block), short, and one long prompt.
 IDENTITY_PROMPT_LENS = (5, 31, 32, 33, 64, 65, 300, 1600)
+KV_TRANSPORTS = ("shm", "tcp", "nccl")
 
 
 def pytest_collection_modifyitems(items):
@@ -70,10 +71,24 @@ def identity_prompts(tokenizer) -> list[list[int]]:
 
 
 @pytest.fixture(scope="session")
-def reference_outputs(model_path, identity_prompts, tmp_path_factory) -> list[list[int]]:
+def transport_prompts(tokenizer) -> dict[str, list[int]]:
+    """One prompt per KV transport, at offsets no other test uses (fresh in every cache)."""
+    stream = token_stream(tokenizer)
+    return {name: stream[2000 + 600 * i: 2000 + 600 * i + 333] for i, name in enumerate(KV_TRANSPORTS)}
+
+
+@pytest.fixture(scope="session")
+def reference_outputs(references, identity_prompts) -> list[list[int]]:
+    return [references[tuple(p)] for p in identity_prompts]
+
+
+@pytest.fixture(scope="session")
+def references(model_path, identity_prompts, transport_prompts, tmp_path_factory) -> dict[tuple[int, ...], list[int]]:
+    """Greedy outputs of one colocated engine, by prompt: run once, before any stack starts."""
     tmp = tmp_path_factory.mktemp("reference")
     prompts, out = tmp / "prompts.json", tmp / "outputs.json"
-    prompts.write_text(json.dumps(identity_prompts))
+    all_prompts = [*identity_prompts, *transport_prompts.values()]
+    prompts.write_text(json.dumps(all_prompts))
     # One core, as each worker engine has: the same thread count gives the same arithmetic.
     env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
     subprocess.run(
@@ -81,7 +96,7 @@ def reference_outputs(model_path, identity_prompts, tmp_path_factory) -> list[li
          str(IDENTITY_MAX_TOKENS), str(out)],
         env=env, check=True, timeout=REFERENCE_TIMEOUT_S, stdout=subprocess.DEVNULL,
     )
-    return json.loads(out.read_text())
+    return {tuple(p): o for p, o in zip(all_prompts, json.loads(out.read_text()), strict=True)}
 
 
 @dataclass
@@ -117,7 +132,7 @@ class StackHandle:
 
 
 @pytest.fixture(scope="session")
-def stack(model_path, reference_outputs) -> StackHandle:
+def stack(model_path, references) -> StackHandle:
     metrics_port = free_port_block(3)  # gateway, prefill, decode
     port = free_port()
     while port in range(metrics_port, metrics_port + 3):

@@ -2,7 +2,8 @@
 
 - layout.py    the shape of a paged KV block, and the handle that names a prompt's blocks
 - transport.py the interface every transport implements, and the registry that picks one
-- shm.py       same-host transport through files in /dev/shm
+- shm.py       same host, CPU: the producer's KV cache lives in /dev/shm; the consumer copies
+               blocks straight out of it (one copy), under a lease file
 - tcp.py       any two hosts: staged blocks streamed over a socket into the consumer's blocks
 - nccl.py      point-to-point through a private 2-rank torch.distributed group (gloo on CPU)
 - cuda_ipc.py  same host, GPU: CUDA IPC handles of the staged blocks (untested without a GPU)

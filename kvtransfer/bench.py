@@ -159,14 +159,21 @@ def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
 
-def measure_memcpy(nbytes: int, repeats: int) -> float:
-    src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure_memcpy(nbytes: int, repeats: int, device: str = "cpu") -> float:
+    src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     dst.copy_(src)  # first touch outside the timing
     times = []
     for _ in range(repeats):
+        _sync(src.device)
         started = time.perf_counter()
         dst.copy_(src)
+        _sync(src.device)
         times.append(time.perf_counter() - started)
     return statistics.median(times)
 
@@ -192,7 +199,8 @@ def bench_transport(name: str, layout: KVLayout, source: torch.Tensor, sizes: li
                 location, sent_s = producer.send(uuid.uuid4().hex, src_ids.tolist())
                 handle = KVHandle(name, location, num_tokens, layout, "bench-producer")
                 started = time.perf_counter()
-                consumer.recv(handle, dst_layers, dst_ids, 0)
+                consumer.recv(handle, dst_layers, dst_ids.to(destination.device), 0)
+                _sync(destination.device)
                 recv_s.append(time.perf_counter() - started)
                 send_s.append(sent_s)
                 type(consumer).release(location)
@@ -225,6 +233,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sizes", type=lambda s: [int(x) for x in s.split(",")],
                         default=list(DEFAULT_SIZES), help="prompt lengths in tokens, comma-separated")
     parser.add_argument("--repeats", type=int, default=5, help="transfers per size (median taken)")
+    parser.add_argument("--device", default="cpu", help="where both KV caches live: cpu or cuda")
     parser.add_argument("--transports", type=lambda s: s.split(","), default=None,
                         help="comma-separated subset of: " + ",".join(available_transports()))
 
@@ -239,9 +248,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     num_blocks = layout.num_blocks(max(args.sizes)) + HEADROOM_BLOCKS
     print(f"KV bench: {layout}, {num_blocks} blocks per layer", file=sys.stderr, flush=True)
-    memcpy_s = {n: measure_memcpy(layout.nbytes(n), args.repeats) for n in args.sizes}
+    memcpy_s = {n: measure_memcpy(layout.nbytes(n), args.repeats, args.device) for n in args.sizes}
     results = [_result("memcpy", layout, n, 0.0, memcpy_s[n], memcpy_s[n]) for n in args.sizes]
-    source = random_layers(layout, num_blocks, seed=0)
+    source = random_layers(layout, num_blocks, seed=0, device=args.device)
     for name in names:
         print(f"{name}:", file=sys.stderr, flush=True)
         results += bench_transport(name, layout, source, args.sizes, args.repeats, memcpy_s)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import json
+import logging
 import mmap
 import os
 import time
@@ -34,6 +35,8 @@ import torch
 
 from kvtransfer.layout import KVHandle, KVLayout
 from kvtransfer.transport import KVTransferError, KVTransport
+
+logger = logging.getLogger(__name__)
 
 SHM_DIR = Path("/dev/shm")
 PREFIX = "pdserve-kv-"  # lease files: pdserve-kv-<producer_id>-<key>
@@ -54,6 +57,15 @@ class SharedCache:
 _caches: dict[int, SharedCache] = {}
 
 
+def has_shared_cache(producer_id: str) -> bool:
+    """Whether a live process placed this producer's KV cache in /dev/shm."""
+    return any(
+        _alive(int(path.name.rsplit("-", 1)[-1]))
+        for path in SHM_DIR.glob(f"{CACHE_PREFIX}{producer_id}-*")
+        if path.name.rsplit("-", 1)[-1].isdigit()
+    )
+
+
 def shared_buffer(producer_id: str, nbytes: int) -> torch.Tensor:
     """A ``(nbytes,)`` uint8 tensor backed by a new file in /dev/shm, its pages allocated.
 
@@ -65,6 +77,9 @@ def shared_buffer(producer_id: str, nbytes: int) -> torch.Tensor:
     try:
         os.posix_fallocate(fd, 0, nbytes)
         inode = os.fstat(fd).st_ino
+    except OSError:
+        path.unlink(missing_ok=True)
+        raise
     finally:
         os.close(fd)
     buffer = torch.from_file(str(path), shared=True, size=nbytes, dtype=torch.uint8)
@@ -112,7 +127,13 @@ def kv_cache_in_shm(producer_id: str) -> Iterator[None]:
 
     def allocate(*args: Any, **kwargs: Any) -> dict[str, torch.Tensor]:
         kv_caches = original(*args, **kwargs)
-        move_to_shared(kv_caches, producer_id)
+        try:
+            move_to_shared(kv_caches, producer_id)
+        except OSError as e:  # /dev/shm too small (a container's 64 MiB default)
+            logger.error(
+                "cannot place the KV cache in /dev/shm (%s); the shm transport is off for this "
+                "worker (give the container more /dev/shm or ipc: host)", e
+            )
         return kv_caches
 
     gpu_model_runner.allocate_kv_cache = allocate

@@ -9,6 +9,7 @@ client before any KV moves, so TTFT is prefill alone.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import uuid
 
@@ -134,6 +135,15 @@ async def sweep_leases(cfg: WorkerConfig) -> None:
 
 
 def add_servicer(server, engine, cfg: WorkerConfig) -> str:
+    from kvtransfer.shm import has_shared_cache
+
+    if "shm" in cfg.kv_transports and not has_shared_cache(cfg.worker_id):
+        # The engine could not place its KV cache in /dev/shm (logged there): serve the rest.
+        served = tuple(t for t in cfg.kv_transports if t != "shm")
+        logger.error("shm KV transport unavailable; serving %s", ", ".join(served) or "nothing")
+        if not served:
+            raise RuntimeError("no KV transport left to serve: give /dev/shm room for the KV cache")
+        cfg = dataclasses.replace(cfg, kv_transports=served)
     worker_pb2_grpc.add_PrefillWorkerServicer_to_server(PrefillServicer(engine, cfg), server)
     return SERVICE_NAME
 

@@ -38,7 +38,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "bench", help="load-test pdserve or an OpenAI-compatible server",
         description="Benchmarks: latency, throughput and goodput under load.", epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    commands = bench.add_subparsers(dest="bench_command", metavar="{run,compare,kv}")
+    commands = bench.add_subparsers(dest="bench_command", metavar="{run,compare,kv,handoff}")
     bench.set_defaults(func=lambda args: _usage(bench))
 
     run = commands.add_parser("run", help="benchmark one running server",
@@ -65,6 +65,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                              add_help=False, prefix_chars="\0")
     kv.add_argument("kv_args", nargs="*")
     kv.set_defaults(func=cmd_kv)
+
+    from pdserve.bench import handoff
+
+    share = commands.add_parser(
+        "handoff", help="the KV handoff's share of a long prompt's TTFT, per transport (starts a worker pair)",
+        description=handoff.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    handoff.add_arguments(share)
+    share.set_defaults(func=handoff.run)
 
 
 def _usage(parser: argparse.ArgumentParser) -> int:

@@ -328,6 +328,10 @@ class PdConnector(KVConnectorBase_V1):
             started = time.perf_counter()
             block_ids = torch.tensor(save.block_ids, dtype=torch.long)
             transport = self._transports[save.transport]
+            if getattr(transport, "holds_blocks", False):
+                # vLLM keeps the blocks until get_finished reports them: tracked even when the
+                # send fails (no lease then, so they are freed as soon as the request finishes).
+                self._held[save.request_id] = save.location
             try:
                 transport.send(save.location, self._layers, block_ids)
             except KVTransferError as e:
@@ -335,8 +339,6 @@ class PdConnector(KVConnectorBase_V1):
                 logger.warning("KV save failed for %s (%s): %s", save.request_id, e.reason, e)
                 metrics.record_failure(save.transport, e.reason)
                 continue
-            if getattr(transport, "holds_blocks", False):
-                self._held[save.request_id] = save.location
             metrics.record_transfer(
                 save.transport,
                 "send",

@@ -200,7 +200,7 @@ def test_a_producer_cache_outside_shared_memory_fails_the_save_not_the_engine(lo
     producer.bind_connector_metadata(PdConnectorMetadata(saves=[SaveSpec("r1", location, [1], 4)]))
     producer.wait_for_save()
     assert not Path(location).exists()
-    assert producer.get_finished({"r1"}) == (None, None)
+    assert producer.get_finished({"r1"}) == ({"r1"}, None), "nothing published: free the blocks"
 
 
 def test_a_missing_handle_is_a_failed_load_not_a_crash(location):

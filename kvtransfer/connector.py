@@ -105,6 +105,13 @@ class SaveSpec:
 class PdConnectorMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
+    # The step computes nothing: the engine runs it only to learn which leases ended.
+    idle: bool = False
+
+
+# A producer holding leases keeps its engine stepping (vLLM polls get_finished each step);
+# an idle step waits this long so that polling costs no core.
+IDLE_POLL_S = 0.002
 
 
 class PdConnector(KVConnectorBase_V1):
@@ -184,7 +191,10 @@ class PdConnector(KVConnectorBase_V1):
         self._loading_blocks[request.request_id] = set(self._pending_loads[request.request_id].block_ids)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> PdConnectorMetadata:
-        meta = PdConnectorMetadata(loads=list(self._pending_loads.values()))
+        meta = PdConnectorMetadata(
+            loads=list(self._pending_loads.values()),
+            idle=not any(scheduler_output.num_scheduled_tokens.values()),
+        )
         self._pending_loads.clear()
         scheduled = scheduler_output.num_scheduled_tokens
         for request_id, (request, save) in list(self._pending_saves.items()):
@@ -363,6 +373,9 @@ class PdConnector(KVConnectorBase_V1):
             del self._held[request_id]
         self._held_finished -= done
         metrics.set_leases("shm", len(self._held))
+        meta = self._get_connector_metadata() if self.has_connector_metadata() else None
+        if not done and getattr(meta, "idle", False):
+            time.sleep(IDLE_POLL_S)
         return done or None, None
 
     def get_block_ids_with_load_errors(self) -> set[int]:

@@ -59,7 +59,7 @@ def token_stream(tokenizer) -> list[int]:
     places = ["river", "forest", "harbour", "valley", "meadow", "glacier", "desert", "market"]
     text = " ".join(
         f"Entry {i}: the {animals[i % 8]} crossed the {places[(i * 3) % 8]} at dawn, counting {i * 7} steps."
-        for i in range(400)
+        for i in range(700)
     )
     return tokenizer.encode(text)
 

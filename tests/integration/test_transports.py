@@ -75,14 +75,17 @@ def metric(metrics_port: int, name: str, labels: str = "") -> float:
     return total
 
 
-def wait_idle(*metrics_ports: int, timeout_s: float = 20.0) -> None:
-    """Every engine's KV usage back to zero (its idle value: no request holds a block)."""
-    deadline = time.monotonic() + timeout_s
+def wait_idle(*metrics_ports: int, timeout_s: float = 20.0) -> float:
+    """Every engine's KV usage back to zero (its idle value: no request holds a block);
+    returns how long that took."""
+    started = time.monotonic()
     while True:
         usage = {port: metric(port, "vllm:kv_cache_usage_perc") for port in metrics_ports}
         if not any(usage.values()):
-            return
-        if time.monotonic() > deadline:
+            waited = time.monotonic() - started
+            print(f"KV usage idle after {waited:.2f} s on {list(metrics_ports)}")
+            return waited
+        if time.monotonic() - started > timeout_s:
             pytest.fail(f"KV usage did not return to idle within {timeout_s:.0f} s: {usage}")
         time.sleep(0.25)
 
@@ -249,7 +252,9 @@ def test_an_uncollected_handoff_is_freed_when_its_lease_expires(spare, tokenizer
     time.sleep(SPARE_LEASE_S + 2.5)
     assert metric(producer.metrics_port, "pdserve_kv_leases_outstanding", f'transport="{transport}"') == 0
     wait_idle(producer.metrics_port)
+    started = time.monotonic()
     tokens, last = decode(consumer.address, prompt + [first.first_token_id], first.kv, 6)
+    print(f"decode of an expired {transport} handle: {time.monotonic() - started:.2f} s")
     assert len(tokens) == 6 and last.num_external_tokens == 0
     failures = metric(consumer.metrics_port, "pdserve_kv_transfer_failures_total", f'transport="{transport}",reason="missing"')
     assert failures >= 1

@@ -152,8 +152,11 @@ class ShmTransport(KVTransport):
         self, layout: KVLayout, producer_id: str, extra_config: Mapping[str, Any] | None = None
     ) -> None:
         super().__init__(layout, producer_id, extra_config)
-        # Producer caches mapped by this consumer: path -> (inode, their bytes).
+        # Producer caches mapped by this consumer: path -> (inode, their bytes), and views of
+        # their layers and of this engine's, built once.
         self._mapped: dict[str, tuple[int, torch.Tensor]] = {}
+        self._sources: dict[tuple, tuple[list[torch.Tensor], list[np.ndarray] | None]] = {}
+        self._targets: dict[tuple[int, ...], list[np.ndarray]] = {}
 
     @classmethod
     def location_for(cls, key: str, extra_config: Mapping[str, Any] | None = None) -> str:
@@ -221,26 +224,46 @@ class ShmTransport(KVTransport):
                     f"asked for blocks {first_block}..{last_block} of a lease holding "
                     f"{len(src_ids)}",
                 )
-            sources = self._producer_layers(lease)
+            sources, source_blocks = self._producer_layers(lease)
             if len(sources) != len(layers):
                 raise KVTransferError(
                     "layout", f"producer has {len(sources)} layers, this engine {len(layers)}"
                 )
-            copy_blocks(sources, layers, src_ids[first_block:last_block], block_ids.tolist())
+            src, dst = src_ids[first_block:last_block], block_ids.tolist()
+            if source_blocks is not None and _host_contiguous(layers):
+                key = tuple(layer.data_ptr() for layer in layers)
+                targets = self._targets.get(key)
+                if targets is None:
+                    targets = self._targets[key] = [_blocks(layer) for layer in layers]
+                src_idx, dst_idx = np.asarray(src), np.asarray(dst)
+                for target, source in zip(targets, source_blocks, strict=True):
+                    target[dst_idx] = source[src_idx]  # one memcpy per block
+            else:
+                copy_blocks(sources, layers, src, dst)
         finally:
             Path(claimed).unlink(missing_ok=True)
 
-    def _producer_layers(self, lease: dict[str, Any]) -> list[torch.Tensor]:
+    def _producer_layers(
+        self, lease: dict[str, Any]
+    ) -> tuple[list[torch.Tensor], list[np.ndarray] | None]:
+        """The producer's per-layer paged tensors in this process's mapping of its cache,
+        and the same as arrays of block-sized items when contiguous (built once)."""
         path, inode, nbytes = lease["cache"], lease["inode"], lease["nbytes"]
         for gone in [p for p in self._mapped if p != path and not os.path.exists(p)]:
             del self._mapped[gone]  # a producer that left: give its memory back
+            self._sources = {k: v for k, v in self._sources.items() if k[0] != gone}
         mapped = self._mapped.get(path)
         if mapped is None or mapped[0] != inode:
             mapped = self._mapped[path] = (inode, _map_cache(path, inode, nbytes))
-        flat = mapped[1].view(self.layout.torch_dtype)
-        shape = (lease["num_blocks"], *self.layout.block_shape)
-        stride = tuple(lease["stride"])
-        return [flat.as_strided(shape, stride, offset) for offset in lease["offsets"]]
+        key = (path, inode, lease["num_blocks"], tuple(lease["stride"]), tuple(lease["offsets"]))
+        cached = self._sources.get(key)
+        if cached is None:
+            flat = mapped[1].view(self.layout.torch_dtype)
+            shape = (lease["num_blocks"], *self.layout.block_shape)
+            layers = [flat.as_strided(shape, key[3], offset) for offset in key[4]]
+            blocks = [_blocks(layer) for layer in layers] if _host_contiguous(layers) else None
+            cached = self._sources[key] = (layers, blocks)
+        return cached
 
     @classmethod
     def release(cls, location: str) -> None:
@@ -248,6 +271,8 @@ class ShmTransport(KVTransport):
         Path(location).unlink(missing_ok=True)
 
     def close(self) -> None:
+        self._sources.clear()
+        self._targets.clear()
         self._mapped.clear()
 
 
@@ -280,9 +305,10 @@ def copy_blocks(
 
     Each block of a layer is one contiguous run of bytes, so the copy is a run of block-sized
     memcpys: numpy moves whole blocks as opaque items, where torch's index_copy_ goes element
-    by element at a fraction of memcpy's speed.
+    by element at a fraction of memcpy's speed. (ShmTransport.recv does the same with views
+    it keeps.)
     """
-    if not all(t.is_contiguous() and t.device.type == "cpu" for t in (*sources, *layers)):
+    if not _host_contiguous([*sources, *layers]):
         src, dst = torch.tensor(src_ids), torch.tensor(dst_ids)
         for layer, source in zip(layers, sources, strict=True):
             layer.index_copy_(0, dst, source.index_select(0, src).to(layer.device))
@@ -290,6 +316,10 @@ def copy_blocks(
     src, dst = np.asarray(src_ids), np.asarray(dst_ids)
     for layer, source in zip(layers, sources, strict=True):
         _blocks(layer)[dst] = _blocks(source)[src]
+
+
+def _host_contiguous(tensors: Sequence[torch.Tensor]) -> bool:
+    return all(t.is_contiguous() and t.device.type == "cpu" for t in tensors)
 
 
 def _blocks(layer: torch.Tensor) -> np.ndarray:

@@ -330,8 +330,9 @@ def test_a_killed_prefill_worker_fails_loads_cleanly_and_decode_recomputes(spare
         tokens, last = decode(stack.worker_addrs["decode"], prompt + [first.first_token_id], first.kv, 6)
         assert len(tokens) == 6
         if transport == "shm":
-            # The dead producer's cache file still holds the finished prompt's blocks.
-            assert last.num_external_tokens == len(prompt)
+            # The dead producer's cache file still holds the finished prompt's blocks, unless
+            # the surviving prefill worker already swept it (then: recomputed).
+            assert last.num_external_tokens in (0, len(prompt))
         else:
             assert last.num_external_tokens == 0, f"{transport}: nothing to fetch from a dead producer"
     wait_idle(prefill_port, decode_port)

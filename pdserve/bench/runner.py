@@ -1,7 +1,8 @@
 """One benchmark, from a `BenchConfig`: warm up, then run each rate (or the closed loop).
 
-Every rate of a sweep replays the same seeded workload and arrival schedule (only the
-request ids differ), so rates differ in load alone. Warmup requests come from a separate
+Every rate of a sweep replays the same seeded lengths and arrival schedule, so rates
+differ in load alone; the synthetic prompts' token ids are fresh per rate (content seed =
+seed + rate index), so no rate finds the previous rate's prompts in the prefix cache. Warmup requests come from a separate
 seed and run before the measured clock starts, so changing `warmup` does not change the
 measured workload.
 """
@@ -97,7 +98,8 @@ async def run_bench(cfg: BenchConfig) -> BenchResult:
     async with make_backend(cfg) as backend:
         await warm_up(backend, cfg)
         for i, load in enumerate(cfg.loads()):
-            requests = build_workload(cfg.workload, cfg.seed, id_prefix=f"run{i}-")
+            requests = build_workload(cfg.workload, cfg.seed, id_prefix=f"run{i}-",
+                                      content_seed=cfg.seed + i)
             progress = Progress(load.num_requests, load.describe())
             records = await drive(backend, requests, load, progress)
             progress.close()

@@ -3,6 +3,9 @@
 Every workload is an endless, deterministic iterator of `RequestSpec`s driven by one
 `random.Random(seed)`: the same seed yields the same requests on every machine, so two
 systems compared under one seed see identical prompts and output lengths. Synthetic
+prompt *content* comes from a second generator (`content_seed`, default: `seed`), so a
+sweep can replay the same lengths and arrivals at every rate with fresh token ids: replayed
+prompts would hit the server's prefix cache and make every rate after the first cheaper. Synthetic
 prompts are random token ids in [100, 40000): below the vocabulary of the models served
 here and above the special tokens, so no id ends or templates a prompt by accident.
 
@@ -133,29 +136,29 @@ def random_token_ids(rng: random.Random, n: int) -> tuple[int, ...]:
     return tuple(rng.randrange(TOKEN_ID_LOW, TOKEN_ID_HIGH) for _ in range(n))
 
 
-def random_requests(rng: random.Random, input_len: LengthRange, output_len: LengthRange,
-                    id_prefix: str) -> Iterator[RequestSpec]:
+def random_requests(rng: random.Random, content: random.Random, input_len: LengthRange,
+                    output_len: LengthRange, id_prefix: str) -> Iterator[RequestSpec]:
     for i in itertools.count():
-        prompt = random_token_ids(rng, input_len.sample(rng))
+        prompt = random_token_ids(content, input_len.sample(rng))
         yield RequestSpec(f"{id_prefix}{i}", prompt, output_len.sample(rng))
 
 
-def classmix_requests(rng: random.Random, classes: list[RequestClass],
+def classmix_requests(rng: random.Random, content: random.Random, classes: list[RequestClass],
                       id_prefix: str) -> Iterator[RequestSpec]:
     weights = [c.weight for c in classes]
     for i in itertools.count():
         c = rng.choices(classes, weights=weights)[0]
-        prompt = random_token_ids(rng, c.input_len.sample(rng))
+        prompt = random_token_ids(content, c.input_len.sample(rng))
         yield RequestSpec(f"{id_prefix}{i}", prompt, c.output_len.sample(rng), c.name,
                           c.priority)
 
 
-def shared_prefix_requests(rng: random.Random, cfg: WorkloadConfig,
+def shared_prefix_requests(rng: random.Random, content: random.Random, cfg: WorkloadConfig,
                            id_prefix: str) -> Iterator[RequestSpec]:
-    prefixes = [random_token_ids(rng, cfg.prefix_len) for _ in range(cfg.num_prefix_groups)]
+    prefixes = [random_token_ids(content, cfg.prefix_len) for _ in range(cfg.num_prefix_groups)]
     for i in itertools.count():
         group = rng.randrange(cfg.num_prefix_groups)
-        prompt = prefixes[group] + random_token_ids(rng, cfg.suffix_len.sample(rng))
+        prompt = prefixes[group] + random_token_ids(content, cfg.suffix_len.sample(rng))
         yield RequestSpec(f"{id_prefix}{i}", prompt, cfg.output_len.sample(rng),
                           f"group{group}")
 
@@ -206,14 +209,18 @@ def hf_tokenize(model_path: Path) -> Callable[[str], list[int]]:
 
 
 def build_workload(cfg: WorkloadConfig, seed: int, id_prefix: str = "req-",
-                   tokenize: Callable[[str], list[int]] | None = None) -> Iterator[RequestSpec]:
+                   tokenize: Callable[[str], list[int]] | None = None,
+                   content_seed: int | None = None) -> Iterator[RequestSpec]:
+    """`seed` fixes classes and lengths; `content_seed` (default `seed`) the synthetic
+    prompts' token ids. ShareGPT prompts are the file's text and ignore it."""
     rng = random.Random(seed)
+    content = random.Random(f"content-{seed if content_seed is None else content_seed}")
     if cfg.kind == "random":
-        return random_requests(rng, cfg.input_len, cfg.output_len, id_prefix)
+        return random_requests(rng, content, cfg.input_len, cfg.output_len, id_prefix)
     if cfg.kind == "classmix":
-        return classmix_requests(rng, cfg.classes, id_prefix)
+        return classmix_requests(rng, content, cfg.classes, id_prefix)
     if cfg.kind == "shared-prefix":
-        return shared_prefix_requests(rng, cfg, id_prefix)
+        return shared_prefix_requests(rng, content, cfg, id_prefix)
     assert cfg.dataset is not None and cfg.tokenizer_path is not None  # __post_init__
     pairs = load_sharegpt_pairs(cfg.dataset, tokenize or hf_tokenize(cfg.tokenizer_path),
                                 cfg.max_model_len)

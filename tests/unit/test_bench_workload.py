@@ -30,6 +30,18 @@ def test_same_seed_same_requests_other_seed_other_requests():
         [(r.prompt_token_ids, r.output_len) for r in first]
 
 
+@pytest.mark.parametrize("kind", ["random", "classmix", "shared-prefix"])
+def test_content_seed_changes_token_ids_and_keeps_lengths(kind):
+    cfg = WorkloadConfig(kind=kind, input_len=LengthRange(5, 50), output_len=LengthRange(3, 9),
+                         prefix_len=16, suffix_len=LengthRange(4, 8))
+    base = take(build_workload(cfg, seed=3), 30)
+    assert base == take(build_workload(cfg, seed=3, content_seed=3), 30)
+    fresh = take(build_workload(cfg, seed=3, content_seed=4), 30)
+    assert [(r.prompt_len, r.output_len, r.class_name) for r in fresh] == \
+        [(r.prompt_len, r.output_len, r.class_name) for r in base]
+    assert not {r.prompt_token_ids for r in fresh} & {r.prompt_token_ids for r in base}
+
+
 def test_random_lengths_and_token_ids_stay_in_range():
     cfg = WorkloadConfig(input_len=LengthRange(64, 1536), output_len=LengthRange(32, 256))
     specs = take(build_workload(cfg, seed=0), 200)

@@ -53,10 +53,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "compare", help="pdserve vs colocated vLLM on the same workload (starts both)",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     _add_compare_args(compare)
-    _add_load_args(compare, rates_default="0.25,0.5,1.0,1.5")
+    _add_load_args(compare, rates_default=None)
     _add_workload_args(compare)
     _add_output_args(compare)
-    compare.set_defaults(func=cmd_compare, num_requests=48, slo_ttft_s=2.0, slo_tpot_s=0.25)
+    from pdserve.bench import compare as compare_defaults  # light: no server code runs
+
+    compare.set_defaults(func=cmd_compare, rates=list(compare_defaults.DEFAULT_RATES_RPS),
+                         num_requests=compare_defaults.DEFAULT_NUM_REQUESTS,
+                         input_len_range=compare_defaults.DEFAULT_INPUT_LEN,
+                         output_len_range=compare_defaults.DEFAULT_OUTPUT_LEN,
+                         slo_ttft_s=2.0, slo_tpot_s=0.25)
 
     # kvtransfer.bench (and torch) load only when this runs; its flags are parsed then,
     # so every argument is taken as is here ("\0" as prefix: nothing looks like a flag).

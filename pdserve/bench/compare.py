@@ -4,12 +4,18 @@ The systems run one after the other, never together: start the server, warm it u
 sweep the request rates, stop it and check that no process is left, then the next one.
 Each system is summarized by DistServe's goodput (the highest rate at which >= 90% of
 requests meet both SLOs, interpolated between swept rates) and by throughput and
-latency percentiles at the highest rate swept; `ratios` are pdserve / vLLM.
+latency percentiles at the highest rate swept; `ratios` are pdserve / vLLM. Both servers
+get the same model folder, dtype (the folder's, bf16), eager mode, block size 32 and
+context length.
 
-Defaults fit a 2-core CPU machine serving SmolLM2-135M (about 200 output tok/s in all,
-so with 144 output tokens on average about 1.4 req/s saturates it): rates 0.25 to 1.5
-req/s, 48 requests per rate; a system's sweep sends for 48 * (4 + 2 + 1 + 2/3) = 368 s
-plus the drain, which keeps both systems and two boots well under 30 minutes.
+Defaults fit this project's 2-core AVX2 machine (no AVX512-BF16): bf16 matmuls run at
+about 7 GFLOP/s per core there, so a core prefills about 30 tokens/s and one decode step
+takes about 170 ms. With the issue's 64-1,536-token prompts no request can meet a 2 s TTFT
+(64 tokens already take about 2 s) and a sweep with a light-load rate would take hours. So
+the defaults shrink the requests to 16-64 prompt and 16-64 output tokens and sweep 0.05
+(light), 0.15 and 0.4 req/s (overload) with 12 requests each: about 390 s of arrivals per
+system, plus drains and two boots, about 20 minutes for the pair. Every length and rate
+is a flag; `--input-len-range 64:1536 --output-len-range 32:256` gives the issue's mix.
 """
 
 from __future__ import annotations
@@ -25,10 +31,13 @@ from pdserve.bench.metrics import LatencyStats
 from pdserve.bench.report import format_result, result_dict
 from pdserve.bench.runner import BenchConfig, BenchResult, RunResult, run_bench
 from pdserve.bench.servers import ServerError, ServerProcess, ServerSpec, free_port
+from pdserve.bench.workload import LengthRange
 
 SYSTEMS = ("pdserve", "vllm")
-DEFAULT_RATES_RPS = (0.25, 0.5, 1.0, 1.5)
-DEFAULT_NUM_REQUESTS = 48
+DEFAULT_RATES_RPS = (0.05, 0.15, 0.4)
+DEFAULT_NUM_REQUESTS = 12
+DEFAULT_INPUT_LEN = LengthRange(16, 64)
+DEFAULT_OUTPUT_LEN = LengthRange(16, 64)
 RATIO_KEYS = ("goodput_rps", "output_tok_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s",
               "tpot_p99_s")
 
@@ -65,10 +74,10 @@ class SystemResult:
     error: str | None = None
 
 
-def pdserve_argv(port: int, model: Path) -> list[str]:
+def pdserve_argv(port: int, model: Path, max_model_len: int) -> list[str]:
     # Metrics off: `up` would otherwise bind fixed ports that a concurrent stack may hold.
     return [sys.executable, "-m", "pdserve.cli", "up", "--port", str(port), "--model",
-            str(model), "--metrics-port", "0"]
+            str(model), "--max-model-len", str(max_model_len), "--metrics-port", "0"]
 
 
 def source_root_env() -> dict[str, str]:
@@ -82,7 +91,8 @@ def pdserve_spec(cfg: CompareConfig, port: int) -> ServerSpec:
     # `up` prints "pdserve ready at HOST:PORT"; the lines it relays from its processes
     # start with "[role]" (the gateway's own "[gateway] READY ..." comes before the
     # workers are up), so those are skipped, and gRPC health must then say SERVING.
-    return ServerSpec("pdserve", pdserve_argv(port, cfg.model), source_root_env(),
+    argv = pdserve_argv(port, cfg.model, cfg.bench.workload.max_model_len)
+    return ServerSpec("pdserve", argv, source_root_env(),
                       ready_pattern=rf"^[^\[].*\bready\b.*:{port}\b",
                       grpc_health_target=f"127.0.0.1:{port}", boot_timeout_s=cfg.boot_timeout_s)
 
@@ -90,7 +100,7 @@ def pdserve_spec(cfg: CompareConfig, port: int) -> ServerSpec:
 def vllm_spec(cfg: CompareConfig, port: int) -> ServerSpec:
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model",
             str(cfg.model), "--dtype", "bfloat16", "--block-size", "32", "--max-model-len",
-            "4096", "--enforce-eager", "--port", str(port), "--host", "127.0.0.1"]
+            str(cfg.bench.workload.max_model_len), "--enforce-eager", "--port", str(port), "--host", "127.0.0.1"]
     env = {"VLLM_CPU_KVCACHE_SPACE": str(cfg.vllm_kv_cache_gib),
            "VLLM_CPU_OMP_THREADS_BIND": cfg.vllm_cpus}
     return ServerSpec("vllm", argv, env, health_url=f"http://127.0.0.1:{port}/health",

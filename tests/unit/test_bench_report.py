@@ -17,6 +17,7 @@ from pdserve.bench.record import Chunk, RequestRecord
 from pdserve.bench.report import format_result, result_dict, write_plots
 from pdserve.bench.runner import BenchConfig, BenchResult, RunResult
 from pdserve.bench.servers import ServerError, ServerProcess, ServerSpec, free_port
+from pdserve.bench.workload import LengthRange
 
 
 def record(i: int, ttft_s: float, tpot_s: float, tokens: int = 3) -> RequestRecord:
@@ -110,8 +111,14 @@ def test_cli_builds_one_config_from_flags():
 def test_cli_compare_defaults_and_kv_passthrough():
     args = parse(["bench", "compare"])
     cfg = cli.bench_config(args)
-    assert cfg.rates_rps == [0.25, 0.5, 1.0, 1.5] and cfg.num_requests == 48
+    assert cfg.rates_rps == [0.05, 0.15, 0.4] and cfg.num_requests == 12
     assert cfg.slo == SLO(ttft_s=2.0, tpot_s=0.25)
+    assert (cfg.workload.input_len, cfg.workload.output_len) == (LengthRange(16, 64),
+                                                                 LengthRange(16, 64))
+    issue_mix = cli.bench_config(parse(["bench", "compare", "--input-len-range", "64:1536",
+                                        "--rates", "1,0.5", "--num-requests", "48"]))
+    assert issue_mix.workload.input_len == LengthRange(64, 1536)
+    assert issue_mix.rates_rps == [0.5, 1.0] and issue_mix.num_requests == 48
     kv = parse(["bench", "kv", "--size", "4", "--help"])
     assert kv.func is cli.cmd_kv and kv.kv_args == ["--size", "4", "--help"]
 
@@ -177,3 +184,18 @@ def test_pdserve_ready_line_is_the_launchers_not_a_relayed_one(tmp_path):
     assert not pattern.search("pdserve ready at 127.0.0.1:50051 (19 s)")
     assert spec.grpc_health_target == "127.0.0.1:5005"
     assert spec.argv[1:4] == ["-m", "pdserve.cli", "up"]
+
+
+def test_both_systems_get_the_same_model_and_context_length(tmp_path):
+    from pdserve.bench.compare import pdserve_spec, vllm_spec
+    from pdserve.bench.workload import WorkloadConfig
+
+    bench = BenchConfig(rates_rps=[1.0], workload=WorkloadConfig(max_model_len=2048))
+    cfg = CompareConfig(bench=bench, model=tmp_path)
+
+    def flag(argv: list[str], name: str) -> str:
+        return argv[argv.index(name) + 1]
+
+    for spec in (pdserve_spec(cfg, 5005), vllm_spec(cfg, 5006)):
+        assert flag(spec.argv, "--model") == str(tmp_path)
+        assert flag(spec.argv, "--max-model-len") == "2048"

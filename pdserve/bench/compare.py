@@ -27,7 +27,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pdserve.bench.metrics import LatencyStats
+from pdserve.bench.metrics import DISTSERVE_TARGET, LatencyStats
 from pdserve.bench.report import format_result, result_dict
 from pdserve.bench.runner import BenchConfig, BenchResult, RunResult, run_bench
 from pdserve.bench.servers import ServerError, ServerProcess, ServerSpec, free_port
@@ -172,8 +172,11 @@ def system_dict(system: SystemResult) -> dict:
         return out
     sweep = [sweep_entry(r) for r in system.result.runs]
     top = max(sweep, key=lambda entry: entry["rate_rps"])
+    lowest = min(sweep, key=lambda entry: entry["rate_rps"])
     out.update({
         "goodput_rps": system.result.distserve_goodput_rps(),
+        # DistServe's goodput is 0 then; the true knee lies somewhere below the lowest rate.
+        "goodput_below_lowest_rate": lowest["slo_attainment"] < DISTSERVE_TARGET,
         "latencies_at_rate_rps": top["rate_rps"],
         "output_tok_s": top["output_tok_s"],
         **{k: top[k] for k in ("ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s")},
@@ -183,11 +186,20 @@ def system_dict(system: SystemResult) -> dict:
 
 
 def ratios(pdserve: dict, vllm: dict) -> dict[str, float | None]:
-    """pdserve / vLLM per key; None where either side has no (or a zero) value."""
+    """pdserve / vLLM per key; None where either side has no (or a zero) value.
+
+    When vLLM misses the target even at the lowest rate swept (goodput 0) and pdserve
+    does not, `goodput_rps_lower_bound` is pdserve's goodput / that lowest rate: vLLM's
+    knee is below it, so the true ratio is at least this.
+    """
     def ratio(key: str) -> float | None:
         a, b = pdserve.get(key), vllm.get(key)
         return None if a is None or not b else a / b
-    return {key: ratio(key) for key in RATIO_KEYS}
+    out = {key: ratio(key) for key in RATIO_KEYS}
+    if vllm.get("goodput_below_lowest_rate") and pdserve.get("goodput_rps"):
+        lowest_rate = min(entry["rate_rps"] for entry in vllm["sweep"])
+        out["goodput_rps_lower_bound"] = pdserve["goodput_rps"] / lowest_rate
+    return out
 
 
 def compare_dict(cfg: CompareConfig, results: dict[str, SystemResult]) -> dict:
@@ -222,6 +234,10 @@ def format_compare(doc: dict, results: dict[str, SystemResult]) -> str:
             a, b, r = doc["pdserve"].get(key), doc["vllm"].get(key), doc["ratios"][key]
             fmt = lambda v: "-" if v is None else f"{v:.4g}"  # noqa: E731
             rows.append(f"{key:<14}{fmt(a):>12}{fmt(b):>12}{fmt(r):>10}")
+        bound = doc["ratios"].get("goodput_rps_lower_bound")
+        if bound is not None:
+            rows.append(f"goodput_rps ratio >= {bound:.3g}: vLLM missed the 90% target even "
+                        "at the lowest rate swept")
         rate = max(doc["config"]["rates_rps"])
         parts.append(f"######## pdserve / vllm (latencies and tok/s at {rate:g} req/s) "
                      "########\n" + "\n".join(rows))
@@ -229,4 +245,6 @@ def format_compare(doc: dict, results: dict[str, SystemResult]) -> str:
 
 
 def detail_dict(results: dict[str, SystemResult]) -> dict:
-    return {name: result_dict(r.result) for name, r in results.items() if r.result is not None}
+    """Each system's full result with every request's timeline (`--save-records`)."""
+    return {name: result_dict(r.result, include_records=True)
+            for name, r in results.items() if r.result is not None}

@@ -10,7 +10,13 @@ import time
 import pytest
 
 from pdserve.bench import cli
-from pdserve.bench.compare import CompareConfig, SystemResult, compare_dict, format_compare
+from pdserve.bench.compare import (
+    CompareConfig,
+    SystemResult,
+    compare_dict,
+    detail_dict,
+    format_compare,
+)
 from pdserve.bench.loadgen import LoadConfig
 from pdserve.bench.metrics import SLO, summarize_run
 from pdserve.bench.record import Chunk, RequestRecord
@@ -76,6 +82,23 @@ def test_compare_summary_goodput_top_rate_latencies_and_ratios(tmp_path):
     assert doc["ratios"]["ttft_p50_s"] == 1.0  # same latencies at the top rate
     assert doc["config"]["rates_rps"] == [0.5, 1.0, 2.0]
     assert "goodput_rps" in format_compare(doc, results)
+    assert not doc["vllm"]["goodput_below_lowest_rate"]
+    assert "goodput_rps_lower_bound" not in doc["ratios"]
+    detail = json.loads(json.dumps(detail_dict(results)))
+    assert [len(run["records"]) for run in detail["vllm"]["runs"]] == [4, 4, 4]
+
+
+def test_goodput_ratio_lower_bound_when_vllm_misses_at_the_lowest_rate(tmp_path):
+    pd = bench_result({0.5: FAST, 1.0: FAST, 2.0: HALF})
+    vl = bench_result({0.5: HALF, 1.0: HALF, 2.0: HALF})
+    cfg = CompareConfig(bench=pd.config, model=tmp_path)
+    results = {"pdserve": SystemResult("pdserve", result=pd),
+               "vllm": SystemResult("vllm", result=vl)}
+    doc = compare_dict(cfg, results)
+    assert doc["vllm"]["goodput_rps"] == 0.0 and doc["vllm"]["goodput_below_lowest_rate"]
+    assert doc["ratios"]["goodput_rps"] is None
+    assert doc["ratios"]["goodput_rps_lower_bound"] == pytest.approx(1.2 / 0.5)
+    assert "goodput_rps ratio >= 2.4" in format_compare(doc, results)
 
 
 def test_failed_system_is_reported_not_raised(tmp_path):

@@ -13,7 +13,7 @@ about 7 GFLOP/s per core there, so a core prefills about 30 tokens/s and one dec
 takes about 170 ms. With the issue's 64-1,536-token prompts no request can meet a 2 s TTFT
 (64 tokens already take about 2 s) and a sweep with a light-load rate would take hours. So
 the defaults shrink the requests to 16-64 prompt and 16-64 output tokens and sweep 0.05
-(light), 0.15 and 0.4 req/s (overload) with 12 requests each: about 390 s of arrivals per
+(light), 0.15 and 0.4 req/s (overload) with 16 requests each: about 470 s of arrivals per
 system, plus drains and two boots, about 20 minutes for the pair. Every length and rate
 is a flag; `--input-len-range 64:1536 --output-len-range 32:256` gives the issue's mix.
 """
@@ -35,7 +35,7 @@ from pdserve.bench.workload import LengthRange
 
 SYSTEMS = ("pdserve", "vllm")
 DEFAULT_RATES_RPS = (0.05, 0.15, 0.4)
-DEFAULT_NUM_REQUESTS = 12
+DEFAULT_NUM_REQUESTS = 16
 DEFAULT_INPUT_LEN = LengthRange(16, 64)
 DEFAULT_OUTPUT_LEN = LengthRange(16, 64)
 RATIO_KEYS = ("goodput_rps", "output_tok_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s",

@@ -134,7 +134,7 @@ def test_cli_builds_one_config_from_flags():
 def test_cli_compare_defaults_and_kv_passthrough():
     args = parse(["bench", "compare"])
     cfg = cli.bench_config(args)
-    assert cfg.rates_rps == [0.05, 0.15, 0.4] and cfg.num_requests == 12
+    assert cfg.rates_rps == [0.05, 0.15, 0.4] and cfg.num_requests == 16
     assert cfg.slo == SLO(ttft_s=2.0, tpot_s=0.25)
     assert (cfg.workload.input_len, cfg.workload.output_len) == (LengthRange(16, 64),
                                                                  LengthRange(16, 64))

@@ -165,7 +165,7 @@ def stack_ports(stack) -> tuple[int, int]:
     return stack.metrics_port + 1, stack.metrics_port + 2
 
 
-def fresh_prompt(tokenizer, offset: int, length: int = 200) -> list[int]:
+def fresh_prompt(tokenizer, offset: int, length: int = 96) -> list[int]:
     return token_stream(tokenizer)[offset:offset + length]
 
 

@@ -45,6 +45,7 @@ def cmd_worker(args) -> int:
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         enforce_eager=not args.compile,
+        dtype=args.dtype,
         kv_transports=tuple(t for t in args.kv_transport.split(",") if t),
         kv_tcp_port=args.kv_tcp_port,
         kv_nccl_port=args.kv_nccl_port,
@@ -124,6 +125,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--cpus", default=None, help="cores for the engine's threads, e.g. 0 or 0-3")
         p.add_argument("--max-num-seqs", type=int, default=64)
         p.add_argument("--compile", action="store_true", help="torch.compile the model (slow first boot)")
+        p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
+                       help="compute dtype (auto: the model's where the hardware has native bf16, else float32)")
         p.add_argument("--kv-transport", default="shm,tcp,nccl",
                        help="KV transports served (prefill) or read (decode), comma-separated: "
                             "shm, tcp, nccl (gloo on CPU), cuda_ipc")

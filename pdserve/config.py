@@ -27,6 +27,9 @@ class WorkerConfig:
     max_num_batched_tokens: int | None = None
     enforce_eager: bool = True
     enable_prefix_caching: bool = True
+    # Compute (and KV) dtype; "auto": the model's on hardware with native bf16/fp16 math,
+    # float32 on CPUs without it (pdserve.engine.resolve_dtype).
+    dtype: str = "auto"
     # KV transports this worker serves (prefill) or reads (decode), in order of preference.
     kv_transports: tuple[str, ...] = ("shm", "tcp", "nccl")
     # Prefill side: ports of the tcp and nccl transports' control servers (0: a free one,

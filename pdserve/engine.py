@@ -22,6 +22,27 @@ if TYPE_CHECKING:
 KV_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
 
 
+def resolve_dtype(dtype: str = "auto") -> str:
+    """The dtype engines run: as given, or for "auto" the model's own (bf16 here) where the
+    hardware computes in it natively (a GPU, or a CPU with AVX512-BF16/AMX), else float32.
+
+    On an AVX2-only CPU, PyTorch emulates bf16 matrix products: measured on this project's
+    2-core VM, a bf16 matmul runs at 7.2 GFLOP/s against 36.3 for fp32, and a prompt
+    prefills at ~40 tokens/s per core in bf16. Every engine in a comparison (the colocated
+    reference in the tests, vLLM in `pdserve bench compare`) uses this same function.
+    """
+    if dtype != "auto":
+        return dtype
+    if os.environ.get("CUDA_VISIBLE_DEVICES", "") != "" and os.path.exists("/dev/nvidiactl"):
+        return "auto"
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "").split()
+    except OSError:
+        return "auto"
+    return "auto" if {"avx512_bf16", "amx_bf16"} & set(flags) else "float32"
+
+
 def set_engine_env(cfg: WorkerConfig) -> None:
     """vLLM's CPU engine reads its core binding and KV size from the environment; the
     engine-core process it spawns inherits them, so they are set before it starts."""
@@ -45,6 +66,7 @@ def build_engine(cfg: WorkerConfig) -> AsyncLLM:
     )
     args = AsyncEngineArgs(
         model=cfg.model,
+        dtype=resolve_dtype(cfg.dtype),
         block_size=cfg.block_size,
         max_model_len=cfg.max_model_len,
         max_num_seqs=cfg.max_num_seqs,

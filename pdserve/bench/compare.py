@@ -5,7 +5,7 @@ sweep the request rates, stop it and check that no process is left, then the nex
 Each system is summarized by DistServe's goodput (the highest rate at which >= 90% of
 requests meet both SLOs, interpolated between swept rates) and by throughput and
 latency percentiles at the highest rate swept; `ratios` are pdserve / vLLM. Both servers
-get the same model folder, dtype (the folder's, bf16), eager mode, block size 32 and
+get the same model folder, dtype (pdserve.engine.resolve_dtype: float32 on this AVX2 CPU), eager mode, block size 32 and
 context length.
 
 Defaults fit this project's 2-core AVX2 machine (no AVX512-BF16): bf16 matmuls run at
@@ -97,9 +97,17 @@ def pdserve_spec(cfg: CompareConfig, port: int) -> ServerSpec:
                       grpc_health_target=f"127.0.0.1:{port}", boot_timeout_s=cfg.boot_timeout_s)
 
 
+def vllm_dtype() -> str:
+    """The dtype pdserve's workers resolve by default (pdserve.engine.resolve_dtype): both
+    systems compute in the same one."""
+    from pdserve.engine import resolve_dtype
+
+    return resolve_dtype()
+
+
 def vllm_spec(cfg: CompareConfig, port: int) -> ServerSpec:
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model",
-            str(cfg.model), "--dtype", "bfloat16", "--block-size", "32", "--max-model-len",
+            str(cfg.model), "--dtype", vllm_dtype(), "--block-size", "32", "--max-model-len",
             str(cfg.bench.workload.max_model_len), "--enforce-eager", "--port", str(port), "--host", "127.0.0.1"]
     env = {"VLLM_CPU_KVCACHE_SPACE": str(cfg.vllm_kv_cache_gib),
            "VLLM_CPU_OMP_THREADS_BIND": cfg.vllm_cpus}

@@ -13,8 +13,11 @@ def main() -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
+    from pdserve.engine import resolve_dtype
+
     # The same engine settings as `pdserve up` gives each worker (pdserve/engine.py).
-    llm = LLM(model, block_size=32, enforce_eager=True, enable_prefix_caching=True, max_num_seqs=64)
+    llm = LLM(model, dtype=resolve_dtype(), block_size=32, enforce_eager=True, enable_prefix_caching=True,
+              max_num_seqs=64)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, detokenize=False)
     outputs = []
     for prompt in json.load(open(prompts_path)):

@@ -27,7 +27,6 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.request
 import uuid
 from dataclasses import asdict, dataclass
 
@@ -68,12 +67,9 @@ class _Worker:
                 self.address = found.group(1)
 
     def metric_sum(self, name: str, labels: str) -> float:
-        body = urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5).read().decode()
-        total = 0.0
-        for match in re.finditer(rf"^{re.escape(name)}(\{{[^}}]*\}})? (\S+)$", body, re.M):
-            if all(part in (match.group(1) or "") for part in labels.split(",")):
-                total += float(match.group(2))
-        return total
+        from pdserve.prom import sample_sum
+
+        return sample_sum(self.metrics_port, name, labels)
 
     def stop(self) -> None:
         import signal

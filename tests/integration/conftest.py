@@ -22,6 +22,7 @@ import psutil
 import pytest
 
 from pdserve.launcher import free_port, free_port_block
+from pdserve.prom import sample_sum
 from pdserve.model import resolve_model
 from protos import generation_pb2_grpc, worker_pb2, worker_pb2_grpc
 
@@ -120,15 +121,7 @@ class StackHandle:
 
     def metric(self, offset: int, name: str, labels: str = "") -> float:
         """A sample's value from a process's /metrics (gateway +0, prefill +1, decode +2)."""
-        import urllib.request
-
-        body = urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port + offset}/metrics", timeout=5).read().decode()
-        pattern = re.compile(rf"^{re.escape(name)}(\{{[^}}]*\}})? (\S+)$", re.M)
-        total = 0.0
-        for match in pattern.finditer(body):
-            if all(part in (match.group(1) or "") for part in labels.split(",") if part):
-                total += float(match.group(2))
-        return total
+        return sample_sum(self.metrics_port + offset, name, labels)
 
 
 @pytest.fixture(scope="session")

@@ -17,7 +17,6 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.request
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +26,7 @@ import psutil
 import pytest
 
 from pdserve.launcher import free_port
+from pdserve.prom import sample_sum
 from protos import worker_pb2, worker_pb2_grpc
 from tests.integration.conftest import IDENTITY_MAX_TOKENS, KV_TRANSPORTS, token_stream
 
@@ -67,12 +67,7 @@ def release(address: str, kv) -> None:
 
 
 def metric(metrics_port: int, name: str, labels: str = "") -> float:
-    body = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read().decode()
-    total = 0.0
-    for match in re.finditer(rf"^{re.escape(name)}(\{{[^}}]*\}})? (\S+)$", body, re.M):
-        if all(part in (match.group(1) or "") for part in labels.split(",") if part):
-            total += float(match.group(2))
-    return total
+    return sample_sum(metrics_port, name, labels)
 
 
 def wait_idle(*metrics_ports: int, timeout_s: float = 20.0) -> float:

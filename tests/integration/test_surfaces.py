@@ -38,11 +38,16 @@ def test_generate_cli_answers_the_chat_question(stack):
 
 
 def test_workers_report_their_kv_layout(stack):
+    from pdserve.engine import resolve_dtype
+
     prefill, decode = stack.worker_info("prefill"), stack.worker_info("decode")
     assert prefill.role == "prefill" and decode.role == "decode"
     assert prefill.layout == decode.layout
+    # The model folder is bf16; engines compute in float32 where the CPU has no native bf16.
+    dtype = "float32" if resolve_dtype() == "float32" else "bfloat16"
     assert (prefill.layout.num_layers, prefill.layout.block_size, prefill.layout.num_kv_heads,
-            prefill.layout.entry_size, prefill.layout.dtype) == (30, 32, 3, 128, "bfloat16")
+            prefill.layout.entry_size, prefill.layout.dtype) == (30, 32, 3, 128, dtype)
+    assert set(prefill.transports) == {"shm", "tcp", "nccl"} and prefill.host_id == decode.host_id
 
 
 def test_no_kv_handoff_is_left_behind_once_requests_finish(stack):

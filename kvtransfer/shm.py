@@ -43,6 +43,7 @@ SHM_DIR = Path("/dev/shm")
 PREFIX = "pdserve-kv-"  # lease files: pdserve-kv-<producer_id>-<key>
 CACHE_PREFIX = "pdserve-kvcache-"  # producer caches: pdserve-kvcache-<producer_id>-<pid>
 CLAIMED = ".claimed"
+ORPHAN_LEASE_S = 60.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -351,16 +352,37 @@ def sweep_expired(producer_id: str, lease_s: float, now: float | None = None) ->
 
 def sweep_orphan_caches() -> list[str]:
     """Unlinks shared KV caches whose owning process is gone (a producer that was killed),
-    and the leases that named blocks in them; returns the caches' paths."""
+    and every lease naming blocks of a cache that no longer exists; returns what it unlinked."""
     swept = []
+    live = set()
     for path in SHM_DIR.glob(f"{CACHE_PREFIX}*"):
         producer_id, _, pid = path.name.removeprefix(CACHE_PREFIX).rpartition("-")
         if pid.isdigit() and not _alive(int(pid)):
             path.unlink(missing_ok=True)
+            swept.append(str(path))
             for lease in SHM_DIR.glob(f"{PREFIX}{producer_id}-*"):
                 lease.unlink(missing_ok=True)
-            swept.append(str(path))
+        else:
+            live.add(producer_id)
+    # A lease is written only while its producer's cache exists, so one that outlived it by
+    # a minute is orphaned (the minute spares a lease being written as its cache appears).
+    now = time.time()
+    for lease in SHM_DIR.glob(f"{PREFIX}*"):
+        if lease.name.removeprefix(PREFIX).split("-", 1)[0] in live:
+            continue
+        try:
+            if now - lease.stat().st_mtime > ORPHAN_LEASE_S:
+                lease.unlink(missing_ok=True)
+                swept.append(str(lease))
+        except FileNotFoundError:
+            continue
     return swept
+
+
+def drop_leases(producer_id: str) -> None:
+    """Unlinks every lease of a producer that is shutting down (its cache goes with it)."""
+    for lease in SHM_DIR.glob(f"{PREFIX}{producer_id}-*"):
+        lease.unlink(missing_ok=True)
 
 
 def _alive(pid: int) -> bool:

@@ -120,18 +120,21 @@ async def sweep_leases(cfg: WorkerConfig) -> None:
     """Frees KV that no decode worker collected before its lease ended (shm; the network
     transports' staged copies expire inside the engine), and the shared KV caches of
     producers on this host that were killed."""
-    from kvtransfer.shm import sweep_expired, sweep_orphan_caches
+    from kvtransfer.shm import drop_leases, sweep_expired, sweep_orphan_caches
 
     if "shm" not in cfg.kv_transports:
         return
-    while True:
-        orphans = sweep_orphan_caches()
-        if orphans:
-            logger.info("removed the shared KV caches of %d killed workers: %s", len(orphans), orphans)
-        swept = sweep_expired(cfg.worker_id, cfg.kv_lease_s)
-        if swept:
-            logger.info("lease expired for %d uncollected KV handoffs", len(swept))
-        await asyncio.sleep(max(cfg.kv_lease_s / 4, 0.5))
+    try:
+        while True:
+            orphans = sweep_orphan_caches()
+            if orphans:
+                logger.info("removed %d shared KV caches and leases of gone workers: %s", len(orphans), orphans)
+            swept = sweep_expired(cfg.worker_id, cfg.kv_lease_s)
+            if swept:
+                logger.info("lease expired for %d uncollected KV handoffs", len(swept))
+            await asyncio.sleep(max(cfg.kv_lease_s / 4, 0.5))
+    finally:
+        drop_leases(cfg.worker_id)  # shutting down: the cache they name goes with this worker
 
 
 def add_servicer(server, engine, cfg: WorkerConfig) -> str:

@@ -241,3 +241,30 @@ def test_a_failed_load_reports_no_external_tokens():
     c.update_connector_output(KVConnectorOutput(invalid_block_ids={5}))
     assert c.request_finished(ok, [1, 2, 3])[1] == {"num_external_tokens": 8}
     assert c.request_finished(bad, [4, 5, 6])[1] == {"num_external_tokens": 0}, "recomputed, not received"
+
+
+def test_leases_of_a_producer_whose_cache_is_gone_are_swept_after_a_minute(tmp_path, monkeypatch):
+    import os
+    import time
+
+    from kvtransfer import shm
+
+    monkeypatch.setattr(shm, "SHM_DIR", tmp_path)
+    live = tmp_path / f"{shm.CACHE_PREFIX}alive-{os.getpid()}"
+    live.touch()
+    keep = tmp_path / f"{shm.PREFIX}alive-k1"
+    fresh = tmp_path / f"{shm.PREFIX}gone-k2"
+    stale = tmp_path / f"{shm.PREFIX}gone-k3"
+    for path in (keep, fresh, stale):
+        path.touch()
+    old = time.time() - 2 * shm.ORPHAN_LEASE_S
+    os.utime(stale, (old, old))
+    os.utime(keep, (old, old))
+    assert shm.sweep_orphan_caches() == [str(stale)]
+    assert keep.exists() and fresh.exists() and live.exists()
+    # A killed producer: its cache and every lease naming it go at once.
+    dead = tmp_path / f"{shm.CACHE_PREFIX}dead-999999999"
+    dead.touch()
+    (tmp_path / f"{shm.PREFIX}dead-k4").touch()
+    assert shm.sweep_orphan_caches() == [str(dead)]
+    assert not (tmp_path / f"{shm.PREFIX}dead-k4").exists()

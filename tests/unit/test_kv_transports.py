@@ -8,6 +8,7 @@ Every socket binds 127.0.0.1 and every wait is bounded by a small ``kv_timeout_s
 from __future__ import annotations
 
 import time
+from pathlib import Path
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -80,6 +81,9 @@ def _pair(name: str) -> Iterator[Pair]:
     finally:
         consumer.close()
         producer.close()
+        if name == "shm":  # leases no test consumed
+            for lease in Path("/dev/shm").glob("pdserve-kv-test-*"):
+                lease.unlink(missing_ok=True)
 
 
 def leases(name: str) -> float:

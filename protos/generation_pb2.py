@@ -24,23 +24,27 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17protos/generation.proto\x12\npdserve.v1\"\xa1\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12)\n\x08messages\x18\x03 \x03(\x0b\x32\x17.pdserve.v1.ChatMessage\x12\x11\n\ttoken_ids\x18\x04 \x03(\r\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xf4\x01\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\rH\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seed\"\x80\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.pdserve.v1.Usage\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r2U\n\nGeneration\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17protos/generation.proto\x12\npdserve.v1\"\xe7\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12)\n\x08messages\x18\x03 \x03(\x0b\x32\x17.pdserve.v1.ChatMessage\x12\x11\n\ttoken_ids\x18\x04 \x03(\r\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12&\n\x08priority\x18\x06 \x01(\x0e\x32\x14.pdserve.v1.Priority\x12\x1c\n\x03slo\x18\x07 \x01(\x0b\x32\x0f.pdserve.v1.Slo\"I\n\x03Slo\x12\x14\n\x07ttft_ms\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x14\n\x07tpot_ms\x18\x02 \x01(\rH\x01\x88\x01\x01\x42\n\n\x08_ttft_msB\n\n\x08_tpot_ms\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xf4\x01\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\rH\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seed\"\x80\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.pdserve.v1.Usage\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r*h\n\x08Priority\x12\x18\n\x14PRIORITY_UNSPECIFIED\x10\x00\x12\x18\n\x14PRIORITY_INTERACTIVE\x10\x01\x12\x12\n\x0ePRIORITY_BATCH\x10\x02\x12\x14\n\x10PRIORITY_OFFLINE\x10\x03\x32U\n\nGeneration\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.generation_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_PRIORITY']._serialized_start=831
+  _globals['_PRIORITY']._serialized_end=935
   _globals['_GENERATEREQUEST']._serialized_start=40
-  _globals['_GENERATEREQUEST']._serialized_end=201
-  _globals['_CHATMESSAGE']._serialized_start=203
-  _globals['_CHATMESSAGE']._serialized_end=247
-  _globals['_SAMPLINGPARAMS']._serialized_start=250
-  _globals['_SAMPLINGPARAMS']._serialized_end=494
-  _globals['_GENERATERESPONSE']._serialized_start=497
-  _globals['_GENERATERESPONSE']._serialized_end=625
-  _globals['_USAGE']._serialized_start=627
-  _globals['_USAGE']._serialized_end=684
-  _globals['_GENERATION']._serialized_start=686
-  _globals['_GENERATION']._serialized_end=771
+  _globals['_GENERATEREQUEST']._serialized_end=271
+  _globals['_SLO']._serialized_start=273
+  _globals['_SLO']._serialized_end=346
+  _globals['_CHATMESSAGE']._serialized_start=348
+  _globals['_CHATMESSAGE']._serialized_end=392
+  _globals['_SAMPLINGPARAMS']._serialized_start=395
+  _globals['_SAMPLINGPARAMS']._serialized_end=639
+  _globals['_GENERATERESPONSE']._serialized_start=642
+  _globals['_GENERATERESPONSE']._serialized_end=770
+  _globals['_USAGE']._serialized_start=772
+  _globals['_USAGE']._serialized_end=829
+  _globals['_GENERATION']._serialized_start=937
+  _globals['_GENERATION']._serialized_end=1022
 # @@protoc_insertion_point(module_scope)

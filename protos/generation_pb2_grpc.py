@@ -50,9 +50,15 @@ class GenerationServicer:
         """Generates a completion for one prompt and streams it back. Each response
         carries only what is new since the previous one; the last one carries
         finish_reason and usage. Errors: INVALID_ARGUMENT for a malformed request
-        (the message says which field), RESOURCE_EXHAUSTED when the server is at
-        capacity, UNAVAILABLE when no prefill or decode worker is ready,
-        DEADLINE_EXCEEDED when the call's deadline passes.
+        (the message says which field), RESOURCE_EXHAUSTED when the request's
+        class queue is full or its SLO cannot be met at the current load (the
+        status details carry a google.rpc.RetryInfo with how long to wait),
+        UNAVAILABLE when no prefill or decode worker is ready, DEADLINE_EXCEEDED
+        when the call's gRPC deadline passes (a request whose deadline passes while
+        it is queued in the gateway never reaches a worker).
+
+        The call's gRPC deadline is a hard limit on the whole stream; the SLO is
+        a target the gateway schedules and admits by.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

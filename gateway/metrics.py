@@ -30,3 +30,52 @@ KV_HANDOFF_TOKENS = Counter(
     "pdserve_kv_handoff_tokens",
     "Prompt tokens whose KV the decode tier received from the prefill tier instead of computing.",
 )
+
+# Serving policy, by class ("interactive", "batch", "offline").
+QUEUE_LENGTH = Gauge("pdserve_queue_length", "Requests waiting in the gateway's queue, by class.", ["priority"])
+QUEUE_WAIT = Histogram(
+    "pdserve_queue_wait_seconds",
+    "Time from arrival at the gateway to placement on a worker, by class.",
+    ["priority"],
+    buckets=LATENCY_BUCKETS,
+)
+ADMISSIONS = Counter("pdserve_admissions", "Requests admitted to the queue, by class.", ["priority"])
+REFUSALS = Counter(
+    "pdserve_refusals",
+    "Requests refused with RESOURCE_EXHAUSTED, by class and reason (queue_full, ttft_slo, tpot_slo).",
+    ["priority", "reason"],
+)
+EXPIRED = Counter(
+    "pdserve_queue_expired",
+    "Requests whose deadline passed while queued in the gateway (never sent to a worker), by class.",
+    ["priority"],
+)
+PLACEMENTS = Counter(
+    "pdserve_placements",
+    "Where prompts were prefilled: remote (the prefill tier) or local (the decode worker itself).",
+    ["where"],
+)
+CLASS_TTFT = Histogram(
+    "pdserve_time_to_first_token_seconds",
+    "Time from arrival at the gateway to the first token leaving it, by class.",
+    ["priority"],
+    buckets=LATENCY_BUCKETS,
+)
+CLASS_E2E = Histogram(
+    "pdserve_e2e_request_latency_seconds",
+    "Time from arrival at the gateway to the last token leaving it, by class.",
+    ["priority"],
+    buckets=LATENCY_BUCKETS,
+)
+CLASS_ITL = Histogram(
+    "pdserve_inter_token_latency_seconds",
+    "Time between streamed messages, per token, by class.",
+    ["priority"],
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5),
+)
+SLO_REQUESTS = Counter(
+    "pdserve_slo_requests",
+    "Finished requests with objectives, by class and whether they met all of them "
+    "(attainment = met=\"true\" / all).",
+    ["priority", "met"],
+)

@@ -10,6 +10,7 @@ import math
 import uuid
 from dataclasses import dataclass
 
+from gateway.queue import Priority
 from pdserve.rpc import InvalidArgument
 from protos import generation_pb2, worker_pb2
 
@@ -54,6 +55,10 @@ class Job:
     messages: tuple[tuple[str, str], ...] | None
     token_ids: tuple[int, ...] | None
     sampling: Sampling
+    priority: Priority = Priority.INTERACTIVE
+    # The request's own objectives in ms (0: none); None: its class's default.
+    slo_ttft_ms: int | None = None
+    slo_tpot_ms: int | None = None
 
 
 def parse_request(req: generation_pb2.GenerateRequest) -> Job:
@@ -85,7 +90,20 @@ def parse_request(req: generation_pb2.GenerateRequest) -> Job:
         messages=messages,
         token_ids=tuple(req.token_ids) or None,
         sampling=parse_sampling(req.sampling),
+        priority=parse_priority(req.priority),
+        slo_ttft_ms=req.slo.ttft_ms if req.slo.HasField("ttft_ms") else None,
+        slo_tpot_ms=req.slo.tpot_ms if req.slo.HasField("tpot_ms") else None,
     )
+
+
+def parse_priority(value: int) -> Priority:
+    """The proto's Priority (UNSPECIFIED means interactive) as the queue's class."""
+    if value == generation_pb2.PRIORITY_UNSPECIFIED:
+        return Priority.INTERACTIVE
+    names = [n for n in generation_pb2.Priority.keys() if n != "PRIORITY_UNSPECIFIED"]
+    if value not in generation_pb2.Priority.values():
+        raise InvalidArgument(f"priority {value} is not a known class; use one of {', '.join(names)}")
+    return Priority[generation_pb2.Priority.Name(value).removeprefix("PRIORITY_")]
 
 
 def parse_sampling(s: generation_pb2.SamplingParams) -> Sampling:

@@ -1,12 +1,17 @@
 """The gateway's gRPC server: pdserve.v1.Generation on grpc.aio + uvloop.
 
 A Generate call:
-  1. Validate: parse_request (INVALID_ARGUMENT names the field).
-  2. Admit: at most max_inflight calls at once, else RESOURCE_EXHAUSTED.
-  3. Tokenize in the process pool (chat template for messages); check the model's limits.
-  4. Prefill on the least-loaded prefill worker: the first token and a KV handle.
-  5. Stream the first token; then Decode on the least-loaded decode worker with the handle,
-     streaming detokenized text, cutting at stop strings, until a finish reason.
+  1. Validate: parse_request (INVALID_ARGUMENT names the field); at most max_inflight calls.
+  2. Tokenize in the process pool (chat template for messages); check the model's limits.
+  3. Admit: the class's objectives, the forecast from measured rates; refused at once with
+     RESOURCE_EXHAUSTED and a retry hint when they cannot be met (gateway/dispatch.py).
+  4. Queue until placed (priority classes, EDF, aging; gateway/queue.py); a deadline that
+     passes in the queue ends the call with DEADLINE_EXCEEDED before any worker sees it.
+  5. Placed remote: Prefill on the chosen prefill worker gives the first token and a KV
+     handle; stream the first token, take a decode seat, Decode with the handle.
+     Placed local: Decode without a handle on the chosen decode worker, which prefills the
+     prompt itself (short prompts, busy prefill tier).
+  6. Stream detokenized text, cutting at stop strings, until a finish reason.
 A call that ends before its decode completes releases the handle, so the prefill side frees
 the blocks now rather than at lease expiry.
 """
@@ -22,10 +27,13 @@ from dataclasses import dataclass, field
 import grpc
 
 from gateway import metrics
+from gateway.dispatch import ClassObjectives, Dispatcher
+from gateway.placement import PlacementConfig, Where
+from gateway.queue import ClassPolicy, Priority, RequestQueue, Ticket
 from gateway.request import Job, check_prompt_fits, parse_request
 from gateway.text import Detokenizer, StopMatcher, decode_delta
 from gateway.tokenizer_pool import TokenizerPool
-from gateway.workers import Worker, WorkerPool
+from gateway.workers import Seat, Worker, WorkerPool
 from pdserve import rpc
 from pdserve.config import GatewayConfig
 from pdserve.logs import setup_logging
@@ -58,8 +66,13 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self._cfg = cfg
         self._workers = workers
         self._tokenizers = tokenizers
+        self._dispatcher = build_dispatcher(cfg, workers)
         self._num_inflight = 0
         self._releases: set[asyncio.Task] = set()  # referenced until done, so none is collected
+
+    @property
+    def dispatcher(self) -> Dispatcher:
+        return self._dispatcher
 
     async def Generate(self, request, context) -> AsyncIterator[generation_pb2.GenerateResponse]:
         code = grpc.StatusCode.OK
@@ -84,20 +97,31 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self._num_inflight += 1
         metrics.INFLIGHT.set(self._num_inflight)
         try:
-            async for reply in self._run(job):
+            async for reply in self._run(job, context.time_remaining()):
                 yield reply
         finally:
             self._num_inflight -= 1
             metrics.INFLIGHT.set(self._num_inflight)
 
-    async def _run(self, job: Job) -> AsyncIterator[generation_pb2.GenerateResponse]:
+    async def _run(self, job: Job, time_remaining_s: float | None) -> AsyncIterator[generation_pb2.GenerateResponse]:
+        arrival_s = time.monotonic()
         info = self._workers.model_info()
         if info is None or not self._workers.ready():
             raise rpc.Unavailable("no prefill or no decode worker is ready; retry shortly")
         prompt_ids = await self._tokenize(job)
         check_prompt_fits(prompt_ids, job.sampling, info.max_model_len, info.vocab_size)
+        ticket = self._ticket(job, prompt_ids, arrival_s, time_remaining_s)
+        self._dispatcher.admit(ticket)
+        grant = await self._dispatcher.acquire(ticket)
         stream = Stream(job, len(prompt_ids))
-        prefill = await self._call_prefill(job, prompt_ids)
+        stream.started = arrival_s
+        worker = self._workers.by_address(grant.placement.worker)
+        if grant.placement.where is Where.LOCAL:
+            assert grant.seat is not None
+            async for reply in self._decode(job, stream, ticket, worker, grant.seat, prompt_ids, None):
+                yield reply
+            return
+        prefill = await self._call_prefill(job, ticket, worker, prompt_ids)
         first = prefill.first_token_id
         if prefill.finish_reason or job.sampling.max_tokens == 1:
             yield await self._reply(stream, [first], prefill.finish_reason or "length")
@@ -108,7 +132,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             yield reply
             if stream.stop.stopped:
                 return
-            async for reply in self._decode(job, stream, prompt_ids + [first], prefill.kv):
+            worker, seat = await self._dispatcher.decode_seat(ticket)
+            self._dispatcher.first_token(worker, seat, 1, 0)
+            async for reply in self._decode(job, stream, ticket, worker, seat, prompt_ids + [first], prefill.kv):
                 yield reply
             decoded = True
         finally:
@@ -117,6 +143,20 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             # is idempotent: after a load the decode side has already freed it.
             if not decoded:
                 self._release(prefill.kv)
+
+    def _ticket(self, job: Job, prompt_ids: list[int], arrival_s: float, time_remaining_s: float | None) -> Ticket:
+        ttft_s, tpot_s = self._dispatcher.objectives_for(job.priority, job.slo_ttft_ms, job.slo_tpot_ms)
+        return Ticket(
+            request_id=job.request_id,
+            priority=job.priority,
+            num_prompt_tokens=len(prompt_ids),
+            max_tokens=job.sampling.max_tokens,
+            arrival_s=arrival_s,
+            deadline_s=None if time_remaining_s is None else time.monotonic() + time_remaining_s,
+            ttft_slo_s=ttft_s,
+            tpot_slo_s=tpot_s,
+            prompt_token_ids=tuple(prompt_ids),
+        )
 
     async def _tokenize(self, job: Job) -> list[int]:
         if job.token_ids is not None:
@@ -128,15 +168,16 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         except (ValueError, TypeError) as e:  # template errors: the caller's input
             raise rpc.InvalidArgument(f"cannot tokenize the input: {e}") from e
 
-    async def _call_prefill(self, job: Job, prompt_ids: list[int]) -> worker_pb2.PrefillResponse:
-        worker = self._pick("prefill")
+    async def _call_prefill(self, job: Job, ticket: Ticket, worker: Worker,
+                            prompt_ids: list[int]) -> worker_pb2.PrefillResponse:
+        num_cached: int | None = None
         try:
             kv_transport = self._workers.kv_transport(worker, self._cfg.kv_transport)
         except LookupError as e:
+            self._dispatcher.prefill_done(worker, ticket, None)
             raise rpc.Unavailable(str(e)) from e
-        worker.num_inflight += 1
         try:
-            return await worker.stub.Prefill(
+            reply = await worker.stub.Prefill(
                 worker_pb2.PrefillRequest(
                     request_id=job.request_id,
                     token_ids=prompt_ids,
@@ -144,22 +185,31 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                     kv_transport=kv_transport,
                 )
             )
+            num_cached = reply.num_cached_tokens
+            return reply
         finally:
-            worker.num_inflight -= 1
+            self._dispatcher.prefill_done(worker, ticket, num_cached)
 
-    async def _decode(self, job: Job, stream: Stream, token_ids: list[int], kv: worker_pb2.KvHandle):
-        worker = self._pick("decode")
-        worker.num_inflight += 1
-        call = worker.stub.Decode(
-            worker_pb2.DecodeRequest(
-                request_id=job.request_id,
-                token_ids=token_ids,
-                sampling=job.sampling.to_engine(job.sampling.max_tokens - 1),
-                kv=kv,
-            )
+    async def _decode(self, job: Job, stream: Stream, ticket: Ticket, worker: Worker, seat: Seat,
+                      token_ids: list[int], kv: worker_pb2.KvHandle | None):
+        request = worker_pb2.DecodeRequest(
+            request_id=job.request_id,
+            token_ids=token_ids,
+            # A local prefill samples the first token here too.
+            sampling=job.sampling.to_engine(job.sampling.max_tokens - (0 if kv is None else 1)),
         )
+        if kv is not None:
+            request.kv.CopyFrom(kv)
+        call = worker.stub.Decode(request)
+        last_s = time.monotonic()
         try:
             async for chunk in call:
+                now = time.monotonic()
+                if seat.first_token_s is None:
+                    self._dispatcher.first_token(worker, seat, len(chunk.token_ids), chunk.num_cached_tokens)
+                else:
+                    self._dispatcher.tokens(worker, seat, len(chunk.token_ids), now - last_s)
+                last_s = now
                 reply = await self._reply(stream, list(chunk.token_ids), chunk.finish_reason)
                 if chunk.finish_reason:
                     metrics.KV_HANDOFF_TOKENS.inc(chunk.num_external_tokens)
@@ -169,7 +219,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             raise rpc.Unavailable(f"decode worker {worker.address} ended the stream without finishing")
         finally:
             call.cancel()
-            worker.num_inflight -= 1
+            self._dispatcher.release(worker, seat)
 
     async def _reply(self, stream: Stream, new_ids: list[int], finish_reason: str) -> generation_pb2.GenerateResponse:
         ids, read_offset = stream.detok.window(new_ids)
@@ -204,12 +254,6 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 metrics.ITL.observe(gap)
         stream.last_sent = now
 
-    def _pick(self, role: str) -> Worker:
-        worker = self._workers.pick(role)
-        if worker is None:
-            raise rpc.Unavailable(f"no {role} worker is ready; retry shortly")
-        return worker
-
     def _release(self, kv: worker_pb2.KvHandle) -> None:
         """Frees an unused handoff now rather than at lease expiry (best effort)."""
         for worker in self._workers.tier("prefill"):
@@ -238,6 +282,23 @@ async def _poll_workers(workers: WorkerPool, health, interval_s: float) -> None:
             logger.info("gateway %s", "SERVING" if ready else "NOT_SERVING: waiting for workers")
             was_ready = ready
         await asyncio.sleep(interval_s)
+
+
+def build_dispatcher(cfg: GatewayConfig, workers: WorkerPool) -> Dispatcher:
+    """The gateway's queue, admission and placement, from its configuration."""
+    classes = {p: ClassPolicy(cfg.class_weights[p], cfg.queue_limits[p]) for p in Priority}
+    seconds = lambda ms: ms / 1000 if ms else None  # noqa: E731 - 0 means no objective
+    objectives = ClassObjectives(
+        ttft_s={p: seconds(cfg.slo_ttft_ms[p]) for p in Priority},
+        tpot_s={p: seconds(cfg.slo_tpot_ms[p]) for p in Priority},
+    )
+    return Dispatcher(
+        RequestQueue(cfg.policy, classes, cfg.aging_s),
+        workers,
+        PlacementConfig(cfg.prefill_queue_tokens, cfg.local_prefill_max_tokens),
+        objectives,
+        admission=cfg.policy == "slo",
+    )
 
 
 async def serve(cfg: GatewayConfig) -> None:

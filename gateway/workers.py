@@ -2,8 +2,12 @@
 
 Each worker is polled (gRPC health, then Info once) every poll interval. A worker is
 routable when healthy and compatible with the first worker of the other tier (same KV
-layout, transport and model limits). Routing picks the routable worker of a tier with the
-fewest requests in flight from this gateway.
+layout, transport and model limits).
+
+Load is what this gateway sent and has not seen finish: a prefill worker's unanswered
+prompt tokens and its measured prefill rate; a decode worker's seats (requests it runs,
+with their KV reservation and progress), the prompt tokens it prefills itself, and its
+measured time per token. Placement (gateway/placement.py) reads it as value objects.
 """
 
 from __future__ import annotations
@@ -14,10 +18,28 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from gateway.admission import ServiceMeter, StepMeter
+from gateway.placement import DecodeLoad, PrefillLoad, RunningRequest, decode_slack_s
 from pdserve import rpc
 from protos import worker_pb2, worker_pb2_grpc
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(eq=False, slots=True)
+class Seat:
+    """A request running on a decode worker, from placement until its stream ends."""
+
+    request_id: str
+    kv_tokens: int  # prompt + max_tokens: the most KV it can hold
+    max_tokens: int
+    tpot_slo_s: float | None
+    num_generated: int = 0
+    first_token_s: float | None = None
+    local_prefill_tokens: int = 0  # prompt tokens it prefills here, until its first token
+
+    def view(self) -> RunningRequest:
+        return RunningRequest(self.tpot_slo_s, self.max_tokens, self.num_generated, self.first_token_s)
 
 
 @dataclass(eq=False)
@@ -29,11 +51,43 @@ class Worker:
     info: worker_pb2.WorkerInfo | None = None
     healthy: bool = False
     incompatible: str | None = None
-    num_inflight: int = 0
+    # Prefill: prompt tokens sent and unanswered, and the rate it prefills them.
+    queued_tokens: int = 0
+    prefill_meter: ServiceMeter = field(default_factory=ServiceMeter)
+    # Decode: its seats, and the rates of its own prefills and of its steps.
+    seats: set[Seat] = field(default_factory=set)
+    local_meter: ServiceMeter = field(default_factory=ServiceMeter)
+    step_meter: StepMeter = field(default_factory=StepMeter)
 
     @property
     def routable(self) -> bool:
         return self.healthy and self.info is not None and self.incompatible is None
+
+    @property
+    def num_inflight(self) -> int:
+        return len(self.seats) if self.role == "decode" else int(self.queued_tokens > 0)
+
+    def prefill_load(self, matched_tokens: int = 0) -> PrefillLoad:
+        return PrefillLoad(self.address, self.queued_tokens, self.prefill_meter.tokens_per_s, matched_tokens)
+
+    def decode_load(self, now_s: float) -> DecodeLoad:
+        assert self.info is not None
+        local_tokens = sum(s.local_prefill_tokens for s in self.seats)
+        local_tps = self.local_meter.tokens_per_s
+        slack = decode_slack_s([s.view() for s in self.seats],
+                               self.step_meter.predict(len(self.seats)), now_s)
+        if local_tps and local_tokens:
+            slack = max(0.0, slack - local_tokens / local_tps)  # stalls already on their way
+        return DecodeLoad(
+            worker=self.address,
+            num_running=len(self.seats),
+            max_num_seqs=self.info.max_num_seqs or 64,
+            kv_used_tokens=sum(s.kv_tokens for s in self.seats),
+            kv_capacity_tokens=self.info.kv_capacity_tokens or (1 << 31),
+            local_prefill_tokens=local_tokens,
+            local_tokens_per_s=local_tps,
+            slack_s=slack,
+        )
 
 
 @dataclass
@@ -55,12 +109,17 @@ class WorkerPool:
     def tier(self, role: str) -> list[Worker]:
         return [w for w in self.workers if w.role == role]
 
+    def routable(self, role: str) -> list[Worker]:
+        return [w for w in self.workers if w.role == role and w.routable]
+
+    def by_address(self, address: str) -> Worker:
+        return next(w for w in self.workers if w.address == address)
+
     def ready(self) -> bool:
-        return all(any(w.routable for w in self.tier(role)) for role in ("prefill", "decode"))
+        return all(self.routable(role) for role in ("prefill", "decode"))
 
     def pick(self, role: str) -> Worker | None:
-        candidates = [w for w in self.tier(role) if w.routable]
-        return min(candidates, key=lambda w: w.num_inflight, default=None)
+        return min(self.routable(role), key=lambda w: w.num_inflight, default=None)
 
     def kv_transport(self, prefill: Worker, preference: str = "auto") -> str:
         """The transport ``prefill`` publishes a prompt's KV through: one every routable

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from pdserve.config import GatewayConfig, WorkerConfig
+from pdserve.config import GATEWAY_POLICIES, GatewayConfig, WorkerConfig, per_class
 
 
 def _model_arg(p: argparse.ArgumentParser) -> None:
@@ -25,6 +25,33 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
 
 
+def _policy_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("serving policy (per class values: interactive,batch,offline)")
+    g.add_argument("--policy", choices=GATEWAY_POLICIES, default="slo",
+                   help="slo: classes by weight, earliest deadline first, admission by predicted "
+                        "latency; fifo: arrival order, no admission beyond the queue bounds")
+    g.add_argument("--slo-ttft-ms", default="10000,60000,0",
+                   help="default time-to-first-token objective per class, ms (0: none)")
+    g.add_argument("--slo-tpot-ms", default="1000,0,0",
+                   help="default time-per-output-token objective per class, ms (0: none)")
+    g.add_argument("--class-weights", default="8,2,1", help="share of prefill work per class")
+    g.add_argument("--queue-limits", default="256,512,1024", help="queued requests per class")
+    g.add_argument("--aging-s", type=float, default=30.0,
+                   help="a request queued this long is served next, whatever its class")
+    g.add_argument("--prefill-queue-tokens", type=int, default=1024,
+                   help="prompt tokens a prefill worker is sent beyond the one it runs")
+    g.add_argument("--local-prefill-max-tokens", type=int, default=256,
+                   help="longest prompt a decode worker may prefill itself when that is sooner (0: never)")
+
+
+def policy_argv(args) -> list[str]:
+    """The policy flags as given, for `up` to pass on to its gateway."""
+    return ["--policy", args.policy, "--slo-ttft-ms", args.slo_ttft_ms, "--slo-tpot-ms", args.slo_tpot_ms,
+            "--class-weights", args.class_weights, "--queue-limits", args.queue_limits,
+            "--aging-s", str(args.aging_s), "--prefill-queue-tokens", str(args.prefill_queue_tokens),
+            "--local-prefill-max-tokens", str(args.local_prefill_max_tokens)]
+
+
 def cmd_up(args) -> int:
     from pdserve.launcher import up
 
@@ -40,6 +67,7 @@ def cmd_worker(args) -> int:
         host=args.host,
         port=args.port,
         cpus=args.cpus,
+        sched=args.sched,
         kv_cache_gib=args.kv_cache_gib,
         block_size=args.block_size,
         max_model_len=args.max_model_len,
@@ -79,6 +107,14 @@ def cmd_gateway(args) -> int:
         max_inflight=args.max_inflight,
         kv_transport=args.kv_transport,
         json_logs=args.json_logs,
+        policy=args.policy,
+        slo_ttft_ms=per_class(args.slo_ttft_ms, "--slo-ttft-ms", int),
+        slo_tpot_ms=per_class(args.slo_tpot_ms, "--slo-tpot-ms", int),
+        class_weights=per_class(args.class_weights, "--class-weights", float),
+        queue_limits=per_class(args.queue_limits, "--queue-limits", int),
+        aging_s=args.aging_s,
+        prefill_queue_tokens=args.prefill_queue_tokens,
+        local_prefill_max_tokens=args.local_prefill_max_tokens,
     )
     return main(cfg)
 
@@ -113,7 +149,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-lease-s", type=float, default=30.0,
                    help="seconds a prompt's KV waits for its decode worker")
     p.add_argument("--kv-timeout-s", type=float, default=10.0, help="KV socket operations give up after this")
+    p.add_argument("--cores", choices=("shared", "split"), default="shared",
+                   help="shared: both engines on every core, the prefill engine at idle CPU priority so "
+                        "decode steps come first and prefill takes every idle cycle; split: half the "
+                        "cores each (docs/benchmarks.md measures both)")
     p.add_argument("--json-logs", action="store_true")
+    _policy_args(p)
     p.set_defaults(func=cmd_up)
 
     for role in ("prefill", "decode"):
@@ -123,6 +164,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--host", default="127.0.0.1")
         p.add_argument("--port", type=int, default=0, help="0: any free port (printed in the READY line)")
         p.add_argument("--cpus", default=None, help="cores for the engine's threads, e.g. 0 or 0-3")
+        p.add_argument("--sched", choices=("normal", "idle"), default="normal",
+                       help="idle: the engine yields its cores to any other work (SCHED_IDLE)")
         p.add_argument("--max-num-seqs", type=int, default=64)
         p.add_argument("--compile", action="store_true", help="torch.compile the model (slow first boot)")
         p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
@@ -155,6 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="KV transport between the tiers (auto: shared memory on one host, else the network)")
     p.add_argument("--metrics-port", type=int, default=None)
     p.add_argument("--json-logs", action="store_true")
+    _policy_args(p)
     p.set_defaults(func=cmd_gateway)
 
     p = sub.add_parser("generate", help="stream an answer to the terminal")

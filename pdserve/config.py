@@ -18,6 +18,8 @@ class WorkerConfig:
     port: int = 0
     # Cores the engine's compute threads are bound to (VLLM_CPU_OMP_THREADS_BIND), e.g. "0" or "0-3".
     cpus: str | None = None
+    # "idle": the engine yields its cores to any other work (pdserve.sched); "normal".
+    sched: str = "normal"
     # KV cache size in GiB on a CPU engine (VLLM_CPU_KVCACHE_SPACE).
     kv_cache_gib: int = 2
     # Tokens per KV block. CPU attention needs a multiple of 32.
@@ -50,6 +52,8 @@ class WorkerConfig:
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+        if self.sched not in ("normal", "idle"):
+            raise ValueError(f"--sched must be normal or idle, got {self.sched!r}")
         if self.block_size <= 0 or self.block_size % 16:
             raise ValueError(f"--block-size must be a positive multiple of 16 (32 on CPU), got {self.block_size}")
         if self.kv_cache_gib <= 0:
@@ -75,6 +79,23 @@ class WorkerConfig:
             raise ValueError(f"worker id may not contain '-' or '/': {self.worker_id!r}")
 
 
+CLASSES = ("interactive", "batch", "offline")
+GATEWAY_POLICIES = ("slo", "fifo")
+
+
+def per_class(text: str, name: str, cast=float) -> tuple:
+    """``a,b,c`` (interactive, batch, offline) -> a 3-tuple; one value applies to all."""
+    parts = [p.strip() for p in text.split(",")]
+    if len(parts) == 1:
+        parts *= 3
+    if len(parts) != 3 or not all(parts):
+        raise ValueError(f"{name} takes one value or three (interactive,batch,offline); got {text!r}")
+    try:
+        return tuple(cast(p) for p in parts)
+    except ValueError as e:
+        raise ValueError(f"{name}: {e}") from e
+
+
 @dataclass(frozen=True)
 class GatewayConfig:
     model: str
@@ -92,8 +113,39 @@ class GatewayConfig:
     # (same host: shm on CPU, cuda_ipc on GPU; else nccl on GPU, tcp on CPU).
     kv_transport: str = "auto"
     json_logs: bool = False
+    # Serving policy: "slo" (classes by weight, EDF, admission by predicted latency) or
+    # "fifo" (arrival order, no admission beyond the queue bounds).
+    policy: str = "slo"
+    # Per class (interactive, batch, offline): default objectives in ms (0: none), weights
+    # of the share of prefill work, queue bounds.
+    slo_ttft_ms: tuple[int, int, int] = (10_000, 60_000, 0)
+    slo_tpot_ms: tuple[int, int, int] = (1_000, 0, 0)
+    class_weights: tuple[float, float, float] = (8.0, 2.0, 1.0)
+    queue_limits: tuple[int, int, int] = (256, 512, 1024)
+    # A queued request older than this is served next, whatever its class.
+    aging_s: float = 30.0
+    # Prompt tokens a prefill worker is sent beyond the one it runs.
+    prefill_queue_tokens: int = 1024
+    # Longest prompt a decode worker may prefill itself (0: never).
+    local_prefill_max_tokens: int = 256
 
     def __post_init__(self) -> None:
+        if self.policy not in GATEWAY_POLICIES:
+            raise ValueError(f"--policy must be one of {GATEWAY_POLICIES}, got {self.policy!r}")
+        for name, values in (("--slo-ttft-ms", self.slo_ttft_ms), ("--slo-tpot-ms", self.slo_tpot_ms),
+                             ("--queue-limits", self.queue_limits)):
+            if len(values) != 3 or any(v < 0 for v in values):
+                raise ValueError(f"{name} needs three values >= 0, got {values}")
+        if len(self.class_weights) != 3 or any(w <= 0 for w in self.class_weights):
+            raise ValueError(f"--class-weights needs three values > 0, got {self.class_weights}")
+        if any(n < 1 for n in self.queue_limits):
+            raise ValueError(f"--queue-limits must be >= 1 per class, got {self.queue_limits}")
+        if self.aging_s <= 0:
+            raise ValueError(f"--aging-s must be > 0, got {self.aging_s}")
+        if self.prefill_queue_tokens < 1:
+            raise ValueError(f"--prefill-queue-tokens must be >= 1, got {self.prefill_queue_tokens}")
+        if self.local_prefill_max_tokens < 0:
+            raise ValueError(f"--local-prefill-max-tokens must be >= 0, got {self.local_prefill_max_tokens}")
         if not self.prefill_addrs or not self.decode_addrs:
             raise ValueError("the gateway needs at least one --prefill and one --decode worker address")
         if self.tokenizer_workers < 1:

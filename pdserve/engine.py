@@ -143,6 +143,7 @@ def worker_info(engine: AsyncLLM, cfg: WorkerConfig) -> worker_pb2.WorkerInfo:
     if isinstance(eos, list):
         eos = eos[0]
     layout = expected_layout(engine.vllm_config)
+    cache = engine.vllm_config.cache_config
     return worker_pb2.WorkerInfo(
         worker_id=cfg.worker_id,
         role=cfg.role,
@@ -154,6 +155,8 @@ def worker_info(engine: AsyncLLM, cfg: WorkerConfig) -> worker_pb2.WorkerInfo:
         eos_token_id=eos if eos is not None else 0,
         host_id=host_id(),
         kv_device=_device_type(engine.vllm_config.device_config.device),
+        kv_capacity_tokens=(cache.num_gpu_blocks or 0) * cache.block_size,
+        max_num_seqs=engine.vllm_config.scheduler_config.max_num_seqs,
     )
 
 

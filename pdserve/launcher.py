@@ -85,14 +85,20 @@ def free_port_block(count: int, host: str = "127.0.0.1", tries: int = 50) -> int
     raise OSError(f"no block of {count} free ports found")
 
 
-def core_split() -> tuple[str | None, str | None]:
-    """Prefill gets the first half of the cores, decode the second (vLLM binds its
-    compute threads; two engines on the same cores would fight)."""
+def core_split(mode: str = "split") -> tuple[str | None, str | None]:
+    """The cores of the prefill and the decode engine.
+
+    split: prefill the first half, decode the second (vLLM binds its compute threads).
+    shared: both every core; the prefill worker then runs with ``--sched idle`` so its
+    threads take a core only when decode leaves it idle.
+    """
     cores = sorted(os.sched_getaffinity(0))
+    fmt = lambda cs: ",".join(str(c) for c in cs)  # noqa: E731
+    if mode == "shared":
+        return fmt(cores), fmt(cores)
     if len(cores) < 2:
         return None, None
     half = len(cores) // 2
-    fmt = lambda cs: ",".join(str(c) for c in cs)  # noqa: E731
     return fmt(cores[:half]), fmt(cores[half:])
 
 
@@ -164,7 +170,9 @@ def build_stack(args) -> Stack:
     """Children for `pdserve up`, from its parsed arguments."""
     py = [sys.executable, "-m", "pdserve.cli"]
     prefill_port, decode_port = free_port(), free_port()
-    prefill_cpus, decode_cpus = core_split()
+    from pdserve.cli import policy_argv
+
+    prefill_cpus, decode_cpus = core_split(args.cores)
     common = ["--model", args.model, "--kv-cache-gib", str(args.kv_cache_gib), "--block-size", str(args.block_size)]
     if args.max_model_len:
         common += ["--max-model-len", str(args.max_model_len)]
@@ -174,12 +182,14 @@ def build_stack(args) -> Stack:
     metrics = (lambda i: ["--metrics-port", str(args.metrics_port + i)]) if args.metrics_port else (lambda i: [])
     children = [
         Child("prefill", [*py, "prefill", "--port", str(prefill_port), *common, *metrics(1),
-                          *(["--cpus", prefill_cpus] if prefill_cpus else [])]),
+                          *(["--cpus", prefill_cpus] if prefill_cpus else []),
+                          *(["--sched", "idle"] if args.cores == "shared" else [])]),
         Child("decode", [*py, "decode", "--port", str(decode_port), *common, *metrics(2),
                          *(["--cpus", decode_cpus] if decode_cpus else [])]),
         Child("gateway", [*py, "gateway", "--host", args.host, "--port", str(args.port), "--model", args.model,
                           "--prefill", f"127.0.0.1:{prefill_port}", "--decode", f"127.0.0.1:{decode_port}",
-                          "--kv-transport", args.kv_transport, *metrics(0), *(["--json-logs"] if args.json_logs else [])]),
+                          "--kv-transport", args.kv_transport, *metrics(0), *policy_argv(args),
+                          *(["--json-logs"] if args.json_logs else [])]),
     ]
     connect_host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
     return Stack(children, f"{connect_host}:{args.port}")

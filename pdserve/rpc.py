@@ -34,7 +34,13 @@ class FailedPrecondition(RpcError):
 
 
 class ResourceExhausted(RpcError):
+    """Over capacity; ``retry_after_s`` goes to the caller as google.rpc.RetryInfo."""
+
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+    def __init__(self, message: str, retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 class Unavailable(RpcError):
@@ -61,7 +67,24 @@ PASS_THROUGH = {
 F = TypeVar("F", bound=Callable[..., Any])
 
 
+def retry_info_metadata(code: grpc.StatusCode, message: str, retry_after_s: float) -> tuple:
+    """Trailing metadata carrying a google.rpc.Status with a RetryInfo detail, as
+    grpcio-status writes it (clients read it with rpc_status.from_call)."""
+    from google.protobuf import any_pb2, duration_pb2
+    from google.rpc import code_pb2, error_details_pb2, status_pb2
+    from grpc_status import rpc_status
+
+    delay = duration_pb2.Duration()
+    delay.FromNanoseconds(int(retry_after_s * 1e9))
+    detail = any_pb2.Any()
+    detail.Pack(error_details_pb2.RetryInfo(retry_delay=delay))
+    status = status_pb2.Status(code=getattr(code_pb2, code.name), message=message, details=[detail])
+    return rpc_status.to_status(status).trailing_metadata
+
+
 async def _abort(context: grpc.aio.ServicerContext, e: BaseException, name: str) -> None:
+    if isinstance(e, ResourceExhausted) and e.retry_after_s is not None:
+        await context.abort(e.code, str(e), retry_info_metadata(e.code, str(e), e.retry_after_s))
     if isinstance(e, RpcError):
         await context.abort(e.code, str(e))
     if isinstance(e, grpc.aio.AioRpcError):

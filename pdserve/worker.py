@@ -52,7 +52,15 @@ async def _serve(cfg: WorkerConfig, add_servicer: AddServicer, background) -> No
     from pdserve import rpc
     from pdserve.engine import build_engine
 
-    engine = build_engine(cfg)
+    if cfg.sched == "idle":
+        from pdserve.sched import enter_background, leave_background
+
+        enter_background()  # the engine-core process starts now and inherits it
+        engine = build_engine(cfg)
+        leave_background()
+        logger.info("engine runs at idle CPU priority: it yields its cores to other work")
+    else:
+        engine = build_engine(cfg)
     server = grpc.aio.server(options=rpc.CHANNEL_OPTIONS)
     service_name = add_servicer(server, engine, cfg)
     health = rpc.add_standard_services(server, [service_name])

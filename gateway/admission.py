@@ -1,0 +1,148 @@
+"""Admission control: predict a request's TTFT and TPOT from measured service rates, and
+refuse at once the requests whose objectives cannot be met (pure: no grpc, asyncio, torch).
+
+Predictions come from what the gateway measures online, never from a fixed table:
+- `ServiceMeter`: prompt tokens a worker prefills per second while it has work, over its
+  last completions (busy time only, so an idle worker does not look slow);
+- `StepMeter`: a decode worker's time per output token, by how many requests it runs.
+
+A request is refused with a retry hint when its predicted TTFT exceeds its TTFT objective
+(tokens queued ahead of it, plus those in flight and its own, over the tier's rate), or
+when the decode tier's predicted time per token with it added exceeds its TPOT objective.
+With nothing measured yet the gateway admits: a cold start must not refuse.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from enum import Enum
+
+# A refusal's retry hint is clamped to this range (seconds).
+MIN_RETRY_S = 0.5
+MAX_RETRY_S = 60.0
+
+
+@dataclass(slots=True)
+class ServiceMeter:
+    """Tokens per second of busy time, over the last ``window`` completions.
+
+    Each completion is charged the time since the later of the previous completion and the
+    moment the worker turned busy, so requests batched into one engine step share the step's
+    time instead of the second one looking infinitely fast.
+    """
+
+    window: int = 8
+    _samples: deque[tuple[int, float]] = field(default_factory=deque)
+    _busy_since_s: float | None = None
+    _num_busy: int = 0
+
+    def start(self, now_s: float) -> None:
+        if self._num_busy == 0:
+            self._busy_since_s = now_s
+        self._num_busy += 1
+
+    def finish(self, num_tokens: int, now_s: float) -> None:
+        assert self._num_busy > 0 and self._busy_since_s is not None
+        self._samples.append((num_tokens, max(now_s - self._busy_since_s, 0.0)))
+        if len(self._samples) > self.window:
+            self._samples.popleft()
+        self._num_busy -= 1
+        self._busy_since_s = now_s if self._num_busy else None
+
+    def cancel(self, now_s: float) -> None:
+        """A request that left without completing: no sample, but it stops counting busy."""
+        assert self._num_busy > 0
+        self._num_busy -= 1
+        self._busy_since_s = self._busy_since_s if self._num_busy else None
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        tokens = sum(n for n, _ in self._samples)
+        busy_s = sum(s for _, s in self._samples)
+        if not self._samples or busy_s <= 0 or tokens <= 0:
+            return None
+        return tokens / busy_s
+
+
+def _bucket(num_running: int) -> int:
+    """Power-of-two bucket of a batch size: 1, 2, 4, 8, ..."""
+    return 1 << max(0, math.ceil(math.log2(max(num_running, 1))))
+
+
+@dataclass(slots=True)
+class StepMeter:
+    """A decode worker's seconds per output token, by batch-size bucket (EWMA)."""
+
+    alpha: float = 0.2
+    _by_bucket: dict[int, float] = field(default_factory=dict)
+
+    def observe(self, num_running: int, seconds_per_token: float) -> None:
+        b = _bucket(num_running)
+        old = self._by_bucket.get(b)
+        self._by_bucket[b] = seconds_per_token if old is None else old + self.alpha * (seconds_per_token - old)
+
+    def predict(self, num_running: int) -> float | None:
+        """The time per token at this batch size: its bucket's, or the nearest measured
+        smaller bucket's (a larger batch is never faster); None before any measurement."""
+        b = _bucket(num_running)
+        known = [k for k in self._by_bucket if k <= b]
+        if known:
+            return self._by_bucket[max(known)]
+        return None
+
+
+class Reason(str, Enum):
+    QUEUE_FULL = "queue_full"
+    TTFT = "ttft_slo"
+    TPOT = "tpot_slo"
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    reason: Reason
+    message: str
+    retry_after_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class Forecast:
+    """What the gateway expects for one request if admitted now; None: no estimate yet."""
+
+    ttft_s: float | None
+    tpot_s: float | None
+
+
+def predict_ttft_s(tokens_ahead: int, num_prompt_tokens: int, tokens_per_s: float | None) -> float | None:
+    """Queued work ahead plus the request's own prompt, at the rate the tier serves."""
+    if not tokens_per_s:
+        return None
+    return (tokens_ahead + num_prompt_tokens) / tokens_per_s
+
+
+def decide(forecast: Forecast, ttft_slo_s: float | None, tpot_slo_s: float | None) -> Refusal | None:
+    """None to admit; else why not and when to retry."""
+    if ttft_slo_s is not None and forecast.ttft_s is not None and forecast.ttft_s > ttft_slo_s:
+        excess = forecast.ttft_s - ttft_slo_s
+        return Refusal(
+            Reason.TTFT,
+            f"predicted time to first token {forecast.ttft_s:.2f} s exceeds the request's "
+            f"objective of {ttft_slo_s:.2f} s at the current load; retry later, send it as "
+            f"a lower priority or with a looser slo.ttft_ms",
+            _clamp(excess),
+        )
+    if tpot_slo_s is not None and forecast.tpot_s is not None and forecast.tpot_s > tpot_slo_s:
+        return Refusal(
+            Reason.TPOT,
+            f"predicted time per output token {forecast.tpot_s * 1000:.0f} ms exceeds the "
+            f"request's objective of {tpot_slo_s * 1000:.0f} ms with the decode tier's "
+            f"current batch; retry later or with a looser slo.tpot_ms",
+            # Running requests finish and leave within a few seconds at these rates.
+            _clamp(2.0),
+        )
+    return None
+
+
+def _clamp(seconds: float) -> float:
+    return min(max(seconds, MIN_RETRY_S), MAX_RETRY_S)

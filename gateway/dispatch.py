@@ -1,0 +1,264 @@
+"""The dispatcher: the asyncio side of the gateway's queue, admission and placement.
+
+A request's life here:
+  1. `admit`: its class's default objectives are filled in, the forecast (admission.py) is
+     made from the queue and the measured rates, and it is refused at once
+     (RESOURCE_EXHAUSTED with a retry hint) if it cannot meet them or its queue is full.
+  2. `acquire`: it waits in the queue (queue.py) until `pump` places it (placement.py): on
+     a prefill worker with room, or on a decode worker that prefills it itself. Its hard
+     deadline passing first ends it with DEADLINE_EXCEEDED; it never reaches a worker.
+  3. The caller runs it, reporting progress (`prefill_done`, `first_token`, `tokens`), and
+     a prefilled request takes a decode seat with `decode_seat`.
+  4. `release` gives the seat back. Every change of load calls `pump` again.
+
+`pump` is synchronous and cheap: it walks the queue in policy order and hands out places
+while workers have room. A ticket that waits for the prefill tier holds that tier for the
+tickets behind it (so the tier runs in the chosen order), but a ticket behind it that a
+decode worker may prefill itself can still go there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from gateway import metrics
+from gateway.admission import Forecast, Reason, Refusal, decide, predict_ttft_s
+from gateway.placement import Placement, PlacementConfig, PrefixIndex, Where, pick_decode, place
+from gateway.queue import Priority, QueueFull, RequestQueue, Ticket
+from gateway.workers import Seat, Worker, WorkerPool
+from pdserve import rpc
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class ClassObjectives:
+    """Per-class default objectives (seconds; None: none)."""
+
+    ttft_s: dict[Priority, float | None]
+    tpot_s: dict[Priority, float | None]
+
+
+@dataclass(frozen=True, slots=True)
+class Grant:
+    """Where a ticket was placed; a local placement comes with its decode seat."""
+
+    placement: Placement
+    seat: Seat | None
+
+
+class Refused(rpc.ResourceExhausted):
+    def __init__(self, refusal: Refusal) -> None:
+        super().__init__(refusal.message, retry_after_s=refusal.retry_after_s)
+        self.reason = refusal.reason
+
+
+class Dispatcher:
+    def __init__(self, queue: RequestQueue, workers: WorkerPool, placement: PlacementConfig,
+                 objectives: ClassObjectives, admission: bool = True,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.queue = queue
+        self._workers = workers
+        self._placement = placement
+        self._objectives = objectives
+        self._admission = admission
+        self._clock = clock
+        self._waiting: dict[Ticket, asyncio.Future[Grant]] = {}
+        self._seat_waiters: list[tuple[int, asyncio.Future[Worker]]] = []
+        self._prefixes: PrefixIndex | None = None
+        self._timer: asyncio.TimerHandle | None = None
+
+    # ------------------------------------------------------------ 1. admit ---------------
+
+    def objectives_for(self, priority: Priority, ttft_ms: int | None, tpot_ms: int | None) -> tuple[float | None, float | None]:
+        """The request's own objectives where given (0: none), else its class's."""
+        ttft = self._objectives.ttft_s[priority] if ttft_ms is None else (ttft_ms / 1000 or None)
+        tpot = self._objectives.tpot_s[priority] if tpot_ms is None else (tpot_ms / 1000 or None)
+        return ttft, tpot
+
+    def forecast(self, ticket: Ticket) -> Forecast:
+        now = self._clock()
+        prefill = self._workers.routable("prefill")
+        rates = [r for w in prefill if (r := w.prefill_meter.tokens_per_s)]
+        in_flight = sum(w.queued_tokens for w in prefill)
+        ahead = self.queue.tokens_ahead(ticket, now) + in_flight
+        ttft = predict_ttft_s(ahead, ticket.num_prompt_tokens, sum(rates) if rates else None)
+        decode = [w.decode_load(now) for w in self._workers.routable("decode")]
+        if ticket.num_prompt_tokens <= self._placement.local_prefill_max_tokens:
+            local = [predict_ttft_s(d.local_prefill_tokens, ticket.num_prompt_tokens, d.local_tokens_per_s)
+                     for d in decode if d.has_seat(ticket.num_prompt_tokens + ticket.max_tokens)]
+            known = [t for t in local if t is not None]
+            if known:
+                ttft = min(known) if ttft is None else min(ttft, min(known))
+        steps = [s for w in self._workers.routable("decode")
+                 if (s := w.step_meter.predict(len(w.seats) + 1)) is not None]
+        waited = now - ticket.arrival_s
+        return Forecast(None if ttft is None else ttft + waited, min(steps) if steps else None)
+
+    def admit(self, ticket: Ticket) -> None:
+        """Raises Refused when the ticket cannot meet its objectives or its queue is full."""
+        label = ticket.priority.label
+        if self._admission:
+            refusal = decide(self.forecast(ticket), ticket.ttft_slo_s, ticket.tpot_slo_s)
+            if refusal is not None:
+                metrics.REFUSALS.labels(label, refusal.reason.value).inc()
+                raise Refused(refusal)
+        metrics.ADMISSIONS.labels(label).inc()
+
+    # ------------------------------------------------------------ 2. wait ----------------
+
+    async def acquire(self, ticket: Ticket) -> Grant:
+        try:
+            self.queue.push(ticket)
+        except QueueFull as e:
+            metrics.REFUSALS.labels(ticket.priority.label, Reason.QUEUE_FULL.value).inc()
+            raise Refused(Refusal(Reason.QUEUE_FULL, f"{e}; retry with backoff", 1.0)) from e
+        future = asyncio.get_running_loop().create_future()
+        self._waiting[ticket] = future
+        self._observe_queue()
+        self.pump()
+        try:
+            return await future
+        finally:
+            if self._waiting.pop(ticket, None) is not None and self.queue.remove(ticket):
+                self._observe_queue()  # cancelled while queued
+
+    def pump(self) -> None:
+        now = self._clock()
+        for ticket in self.queue.expire(now):
+            self._expire(ticket, now)
+        self._serve_seat_waiters(now)
+        remote_open = True
+        for ticket in self.queue.ordered(now):
+            if ticket not in self._waiting:
+                continue
+            placement = self._place(ticket, now, remote_open)
+            if placement is None:
+                # It waits for the prefill tier unless a decode worker may take it later.
+                if ticket.num_prompt_tokens > self._placement.local_prefill_max_tokens:
+                    remote_open = False
+                continue
+            self.queue.take(ticket)
+            seat = self._reserve(ticket, placement, now)
+            metrics.QUEUE_WAIT.labels(ticket.priority.label).observe(now - ticket.arrival_s)
+            metrics.PLACEMENTS.labels(placement.where.value).inc()
+            self._waiting.pop(ticket).set_result(Grant(placement, seat))
+        self._observe_queue()
+        self._arm_timer()
+
+    def _place(self, ticket: Ticket, now: float, remote_open: bool) -> Placement | None:
+        matched = self._prefix_index().matched_tokens(ticket.prompt_token_ids) if ticket.prompt_token_ids else {}
+        prefill = [w.prefill_load(matched.get(w.address, 0)) for w in self._workers.routable("prefill")]
+        decode = [w.decode_load(now) for w in self._workers.routable("decode")]
+        return place(ticket.num_prompt_tokens, ticket.num_prompt_tokens + ticket.max_tokens,
+                     prefill, decode, self._placement, remote_open)
+
+    def _reserve(self, ticket: Ticket, placement: Placement, now: float) -> Seat | None:
+        worker = self._workers.by_address(placement.worker)
+        if placement.where is Where.REMOTE:
+            worker.queued_tokens += ticket.num_prompt_tokens
+            worker.prefill_meter.start(now)
+            if ticket.prompt_token_ids:
+                self._prefix_index().record(ticket.prompt_token_ids, worker.address)
+            return None
+        seat = self._seat(ticket)
+        seat.local_prefill_tokens = ticket.num_prompt_tokens
+        worker.seats.add(seat)
+        worker.local_meter.start(now)
+        return seat
+
+    def _expire(self, ticket: Ticket, now: float) -> None:
+        metrics.EXPIRED.labels(ticket.priority.label).inc()
+        future = self._waiting.pop(ticket, None)
+        if future is not None and not future.done():
+            future.set_exception(rpc.DeadlineExceeded(
+                f"the call's deadline passed after {now - ticket.arrival_s:.2f} s in the gateway's "
+                f"{ticket.priority.label} queue, before any worker took it; allow a longer deadline "
+                "or retry when the load is lower"))
+
+    def _arm_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        deadline = self.queue.next_deadline_s()
+        if deadline is not None:
+            loop = asyncio.get_running_loop()
+            self._timer = loop.call_later(max(deadline - self._clock(), 0.0) + 0.001, self.pump)
+
+    def _observe_queue(self) -> None:
+        for p in Priority:
+            metrics.QUEUE_LENGTH.labels(p.label).set(self.queue.num_queued(p))
+
+    def _prefix_index(self) -> PrefixIndex:
+        if self._prefixes is None:
+            info = next((w.info for w in self._workers.workers if w.info is not None), None)
+            self._prefixes = PrefixIndex(info.layout.block_size if info else 32)
+        return self._prefixes
+
+    @staticmethod
+    def _seat(ticket: Ticket) -> Seat:
+        return Seat(ticket.request_id, ticket.num_prompt_tokens + ticket.max_tokens,
+                    ticket.max_tokens, ticket.tpot_slo_s)
+
+    # ------------------------------------------------------------ 3. run -----------------
+
+    def prefill_done(self, worker: Worker, ticket: Ticket, num_cached_tokens: int | None) -> None:
+        """A remote prefill answered (or failed: num_cached_tokens None)."""
+        now = self._clock()
+        worker.queued_tokens -= ticket.num_prompt_tokens
+        if num_cached_tokens is None:
+            worker.prefill_meter.cancel(now)
+        else:
+            worker.prefill_meter.finish(max(ticket.num_prompt_tokens - num_cached_tokens, 1), now)
+        self.pump()
+
+    async def decode_seat(self, ticket: Ticket) -> tuple[Worker, Seat]:
+        """A decode worker with room for a prefilled request; waits while all are full."""
+        seat = self._seat(ticket)
+        now = self._clock()
+        chosen = pick_decode(seat.kv_tokens, [w.decode_load(now) for w in self._workers.routable("decode")])
+        if chosen is None:
+            future: asyncio.Future[Worker] = asyncio.get_running_loop().create_future()
+            self._seat_waiters.append((seat.kv_tokens, future))
+            worker = await future
+        else:
+            worker = self._workers.by_address(chosen)
+        worker.seats.add(seat)
+        return worker, seat
+
+    def _serve_seat_waiters(self, now: float) -> None:
+        while self._seat_waiters:
+            kv_tokens, future = self._seat_waiters[0]
+            if future.done():
+                self._seat_waiters.pop(0)
+                continue
+            chosen = pick_decode(kv_tokens, [w.decode_load(now) for w in self._workers.routable("decode")])
+            if chosen is None:
+                return
+            self._seat_waiters.pop(0)
+            future.set_result(self._workers.by_address(chosen))
+
+    def first_token(self, worker: Worker, seat: Seat, num_tokens: int, num_cached_tokens: int) -> None:
+        """The seat's first token arrived: for a local prefill, its prompt is done."""
+        now = self._clock()
+        seat.first_token_s = now
+        seat.num_generated = num_tokens
+        if seat.local_prefill_tokens:
+            worker.local_meter.finish(max(seat.local_prefill_tokens - num_cached_tokens, 1), now)
+            seat.local_prefill_tokens = 0
+            self.pump()
+
+    def tokens(self, worker: Worker, seat: Seat, num_tokens: int, gap_s: float) -> None:
+        seat.num_generated += num_tokens
+        if num_tokens:
+            worker.step_meter.observe(len(worker.seats), gap_s / num_tokens)
+
+    def release(self, worker: Worker, seat: Seat) -> None:
+        if seat.local_prefill_tokens:  # ended before its first token
+            worker.local_meter.cancel(self._clock())
+        worker.seats.discard(seat)
+        self.pump()

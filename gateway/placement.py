@@ -1,0 +1,204 @@
+"""Placement: where a request's prompt is prefilled, and which decode worker runs it (pure).
+
+Conditional disaggregation: a prompt is prefilled on a decode worker itself ("local") when
+that gives its first token sooner than the trip through the prefill tier ("remote") and the
+decode worker's running requests can absorb the stall without missing their TPOT
+objectives: short prompts, an idle decode engine, a backed-up prefill tier. Long prompts
+always go to the prefill tier, which keeps them from disturbing decode.
+
+Remote: a prefill worker takes work only while the prompt tokens sent to it and not yet
+answered stay within a budget (one prompt is always allowed on an idle worker), so the
+order the gateway chooses is the order the engines run. Among workers with room, the
+soonest predicted finish wins; prompt tokens a worker's prefix cache likely holds (it
+prefilled the same leading blocks recently) do not count as work there.
+
+Decode: the worker with a free seat and KV room that runs the fewest requests (then the
+lowest KV use).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from dataclasses import dataclass
+from enum import Enum
+
+
+class Where(str, Enum):
+    LOCAL = "local"
+    REMOTE = "remote"
+
+
+@dataclass(frozen=True, slots=True)
+class PlacementConfig:
+    # Prompt tokens a prefill worker may hold sent but unanswered (beyond one prompt).
+    prefill_queue_tokens: int = 1024
+    # Longest prompt a decode worker may prefill itself; 0: always the prefill tier.
+    local_prefill_max_tokens: int = 256
+
+    def __post_init__(self) -> None:
+        if self.prefill_queue_tokens < 1:
+            raise ValueError(f"prefill queue budget must be >= 1 token, got {self.prefill_queue_tokens}")
+        if self.local_prefill_max_tokens < 0:
+            raise ValueError(f"local prefill limit must be >= 0, got {self.local_prefill_max_tokens}")
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillLoad:
+    worker: str
+    queued_tokens: int  # sent, not yet answered
+    tokens_per_s: float | None  # measured; None before the first completion
+    matched_tokens: int = 0  # of this prompt, likely in the worker's prefix cache
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeLoad:
+    worker: str
+    num_running: int  # requests placed on it and not finished (local prefills included)
+    max_num_seqs: int
+    kv_used_tokens: int  # prompt + max_tokens of those requests
+    kv_capacity_tokens: int
+    local_prefill_tokens: int  # prompt tokens of local prefills not yet at their first token
+    local_tokens_per_s: float | None
+    slack_s: float  # stall its running requests absorb within their TPOT objectives
+
+    def has_seat(self, kv_tokens: int) -> bool:
+        return (self.num_running < self.max_num_seqs
+                and self.kv_used_tokens + kv_tokens <= self.kv_capacity_tokens)
+
+    @property
+    def idle(self) -> bool:
+        return self.num_running == 0
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    where: Where
+    worker: str
+    predicted_ttft_s: float | None  # prefill finish, from now; None: not measured yet
+
+
+def place(num_prompt_tokens: int, kv_tokens: int, prefill: list[PrefillLoad], decode: list[DecodeLoad],
+          cfg: PlacementConfig, remote_open: bool = True) -> Placement | None:
+    """Where to prefill a prompt now; None: nowhere has room, wait.
+
+    ``kv_tokens`` is what the request holds on a decode worker (prompt + max_tokens).
+    ``remote_open`` False keeps the prefill tier for a ticket ahead that waits for it.
+    """
+    remote = _best_remote(num_prompt_tokens, prefill, cfg) if remote_open else None
+    local = _best_local(num_prompt_tokens, kv_tokens, decode, cfg)
+    if local is None or remote is None:
+        return local or remote
+    if local.predicted_ttft_s is None or remote.predicted_ttft_s is None:
+        # Unmeasured: the decode engine has the cores to itself when it is idle.
+        idle = next(d for d in decode if d.worker == local.worker).idle
+        return local if idle else remote
+    return local if local.predicted_ttft_s <= remote.predicted_ttft_s else remote
+
+
+def _best_remote(num_prompt_tokens: int, prefill: list[PrefillLoad], cfg: PlacementConfig) -> Placement | None:
+    best: tuple[tuple[float, int], Placement] | None = None
+    for w in prefill:
+        work = max(num_prompt_tokens - w.matched_tokens, 1)
+        if w.queued_tokens and w.queued_tokens + work > cfg.prefill_queue_tokens:
+            continue
+        eta = (w.queued_tokens + work) / w.tokens_per_s if w.tokens_per_s else None
+        key = (math.inf if eta is None else eta, w.queued_tokens + work)
+        if best is None or key < best[0]:
+            best = (key, Placement(Where.REMOTE, w.worker, eta))
+    return best[1] if best else None
+
+
+def _best_local(num_prompt_tokens: int, kv_tokens: int, decode: list[DecodeLoad],
+                cfg: PlacementConfig) -> Placement | None:
+    if num_prompt_tokens > cfg.local_prefill_max_tokens:
+        return None
+    best: tuple[tuple[float, int], Placement] | None = None
+    for d in decode:
+        if not d.has_seat(kv_tokens):
+            continue
+        stall_s = num_prompt_tokens / d.local_tokens_per_s if d.local_tokens_per_s else None
+        if not d.idle and (stall_s is None or stall_s > d.slack_s):
+            continue
+        eta = (d.local_prefill_tokens + num_prompt_tokens) / d.local_tokens_per_s if d.local_tokens_per_s else None
+        key = (math.inf if eta is None else eta, d.num_running)
+        if best is None or key < best[0]:
+            best = (key, Placement(Where.LOCAL, d.worker, eta))
+    return best[1] if best else None
+
+
+def pick_decode(kv_tokens: int, decode: list[DecodeLoad]) -> str | None:
+    """The decode worker for a prefilled request; None: every one is full, wait."""
+    open_ = [d for d in decode if d.has_seat(kv_tokens)]
+    if not open_:
+        return None
+    return min(open_, key=lambda d: (d.num_running, d.kv_used_tokens / max(d.kv_capacity_tokens, 1))).worker
+
+
+@dataclass(frozen=True, slots=True)
+class RunningRequest:
+    """A request decoding on a worker, as the gateway sees it."""
+
+    tpot_slo_s: float | None
+    max_tokens: int
+    num_generated: int
+    first_token_s: float | None  # when its first token was sent; None: not yet
+
+
+def decode_slack_s(running: list[RunningRequest], step_s: float | None, now_s: float) -> float:
+    """How long the worker's running requests can stall, all together, and still meet
+    their TPOT objectives if every later step takes ``step_s``: the smallest such margin."""
+    slack = math.inf
+    for r in running:
+        if r.tpot_slo_s is None or r.first_token_s is None:
+            continue
+        remaining = max(r.max_tokens - r.num_generated, 0)
+        allowed_s = r.tpot_slo_s * max(r.max_tokens - 1, 1)
+        spent_s = now_s - r.first_token_s
+        slack = min(slack, allowed_s - spent_s - remaining * (step_s or 0.0))
+    return max(slack, 0.0)
+
+
+class PrefixIndex:
+    """Which prefill worker most recently prefilled each chain of leading blocks.
+
+    Keys chain block hashes as vLLM's prefix cache does (a block's key covers every token
+    before it), so a match of k keys means the first k full blocks are the same. Bounded:
+    least recently used chains are forgotten first.
+    """
+
+    def __init__(self, block_size: int, max_entries: int = 65536, max_blocks: int = 64) -> None:
+        assert block_size > 0 and max_entries > 0
+        self.block_size = block_size
+        self._max_entries = max_entries
+        self._max_blocks = max_blocks
+        self._owner: OrderedDict[int, str] = OrderedDict()
+
+    def _keys(self, token_ids: tuple[int, ...]) -> list[int]:
+        keys, h = [], 0
+        num_blocks = min(len(token_ids) // self.block_size, self._max_blocks)
+        for i in range(num_blocks):
+            h = hash((h, token_ids[i * self.block_size:(i + 1) * self.block_size]))
+            keys.append(h)
+        return keys
+
+    def matched_tokens(self, token_ids: tuple[int, ...]) -> dict[str, int]:
+        """Per worker, how many leading tokens of this prompt it prefilled last."""
+        out: dict[str, int] = {}
+        for i, key in enumerate(self._keys(token_ids)):
+            owner = self._owner.get(key)
+            if owner is None:
+                break
+            out[owner] = (i + 1) * self.block_size
+        return out
+
+    def record(self, token_ids: tuple[int, ...], worker: str) -> None:
+        for key in self._keys(token_ids):
+            self._owner[key] = worker
+            self._owner.move_to_end(key)
+        while len(self._owner) > self._max_entries:
+            self._owner.popitem(last=False)
+
+    def forget(self, worker: str) -> None:
+        for key in [k for k, w in self._owner.items() if w == worker]:
+            del self._owner[key]

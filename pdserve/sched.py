@@ -1,0 +1,40 @@
+"""CPU scheduling for engines that share cores: a background engine yields to the others.
+
+`pdserve up` runs both engines on all cores and puts the prefill engine in the background:
+its compute threads run only when no decode (or gateway) thread wants the core, so decode
+steps keep their pace while prefill soaks up every idle cycle.
+
+Two knobs are needed on Linux. SCHED_IDLE on the engine's threads orders them below every
+normal thread -- but only within one scheduling group: with autogroup on (the default on
+desktop and many server kernels), each session is a group that competes at equal weight
+whatever its threads' policy, so a worker in its own session (as `pdserve up` starts them)
+also lowers its autogroup to nice 19.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+logger = logging.getLogger(__name__)
+
+SCHED_MODES = ("normal", "idle")
+AUTOGROUP = "/proc/self/autogroup"
+
+
+def enter_background() -> None:
+    """Makes this thread (and the processes and threads it starts from now on) idle-class."""
+    os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    if os.getsid(0) == os.getpid() and os.path.exists(AUTOGROUP):
+        try:
+            with open(AUTOGROUP, "w") as f:
+                f.write("19")
+        except OSError as e:
+            logger.warning("could not lower this worker's autogroup (%s); with autogroup on, "
+                           "its engine competes with the others at equal weight", e)
+
+
+def leave_background() -> None:
+    """Back to the normal class for this thread (the gRPC server's threads come from it);
+    what was started in the background stays there."""
+    os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))

@@ -1,0 +1,95 @@
+"""gateway.admission: measured rates, forecasts and refusals with exact values."""
+
+from __future__ import annotations
+
+import pytest
+
+from gateway.admission import (
+    MAX_RETRY_S,
+    MIN_RETRY_S,
+    Forecast,
+    Reason,
+    ServiceMeter,
+    StepMeter,
+    decide,
+    predict_ttft_s,
+)
+
+
+def test_service_meter_counts_busy_time_only():
+    m = ServiceMeter()
+    assert m.tokens_per_s is None
+    m.start(0.0)
+    m.finish(200, 2.0)  # 100 tok/s
+    m.start(50.0)  # idle from 2 to 50 s: not counted
+    m.finish(300, 51.0)  # 300 tok/s
+    assert m.tokens_per_s == pytest.approx(500 / 3.0)
+
+
+def test_service_meter_shares_a_step_between_requests_batched_together():
+    m = ServiceMeter()
+    m.start(0.0)
+    m.start(0.0)
+    m.finish(100, 1.0)
+    m.finish(100, 1.0)  # charged 0 s, the first completion took the step's time
+    assert m.tokens_per_s == pytest.approx(200.0)
+
+
+def test_service_meter_window_forgets_old_samples():
+    m = ServiceMeter(window=2)
+    for tokens, t in ((1000, 1.0), (100, 2.0), (100, 3.0)):
+        m.start(t - 1.0)
+        m.finish(tokens, t)
+    assert m.tokens_per_s == pytest.approx(100.0)
+
+
+def test_service_meter_cancel_leaves_no_sample():
+    m = ServiceMeter()
+    m.start(0.0)
+    m.cancel(5.0)
+    assert m.tokens_per_s is None
+    m.start(10.0)
+    m.finish(50, 11.0)
+    assert m.tokens_per_s == pytest.approx(50.0)
+
+
+def test_step_meter_predicts_from_the_nearest_smaller_bucket():
+    s = StepMeter(alpha=0.5)
+    assert s.predict(1) is None
+    s.observe(1, 0.040)
+    s.observe(3, 0.060)  # bucket 4
+    s.observe(4, 0.080)  # bucket 4: EWMA 0.070
+    assert s.predict(1) == pytest.approx(0.040)
+    assert s.predict(2) == pytest.approx(0.040)  # bucket 2 unmeasured: bucket 1's
+    assert s.predict(4) == pytest.approx(0.070)
+    assert s.predict(16) == pytest.approx(0.070)
+
+
+def test_predicted_ttft_is_work_ahead_plus_own_prompt_over_rate():
+    assert predict_ttft_s(900, 100, 200.0) == pytest.approx(5.0)
+    assert predict_ttft_s(900, 100, None) is None
+
+
+def test_admits_when_the_forecast_meets_the_objectives_or_is_unknown():
+    assert decide(Forecast(1.9, 0.09), ttft_slo_s=2.0, tpot_slo_s=0.1) is None
+    assert decide(Forecast(None, None), ttft_slo_s=0.001, tpot_slo_s=0.001) is None
+    assert decide(Forecast(50.0, 5.0), ttft_slo_s=None, tpot_slo_s=None) is None
+
+
+def test_refuses_a_known_ttft_miss_with_the_excess_as_retry_hint():
+    refusal = decide(Forecast(5.0, 0.05), ttft_slo_s=2.0, tpot_slo_s=0.1)
+    assert refusal is not None
+    assert refusal.reason is Reason.TTFT
+    assert refusal.retry_after_s == pytest.approx(3.0)
+    assert "predicted time to first token 5.00 s exceeds the request's objective of 2.00 s" in refusal.message
+
+
+def test_refuses_a_known_tpot_miss():
+    refusal = decide(Forecast(1.0, 0.150), ttft_slo_s=2.0, tpot_slo_s=0.1)
+    assert refusal is not None and refusal.reason is Reason.TPOT
+    assert "150 ms exceeds the request's objective of 100 ms" in refusal.message
+
+
+def test_retry_hint_is_clamped():
+    assert decide(Forecast(2.01, None), 2.0, None).retry_after_s == MIN_RETRY_S
+    assert decide(Forecast(1000.0, None), 2.0, None).retry_after_s == MAX_RETRY_S

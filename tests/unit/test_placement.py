@@ -1,0 +1,129 @@
+"""gateway.placement: conditional disaggregation, prefill routing, decode seats, slack."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from gateway.placement import (
+    DecodeLoad,
+    PlacementConfig,
+    PrefillLoad,
+    PrefixIndex,
+    RunningRequest,
+    Where,
+    decode_slack_s,
+    pick_decode,
+    place,
+)
+
+CFG = PlacementConfig(prefill_queue_tokens=1024, local_prefill_max_tokens=256)
+
+
+def prefill(name="p0", queued=0, tps=200.0, matched=0) -> PrefillLoad:
+    return PrefillLoad(name, queued, tps, matched)
+
+
+def decode(name="d0", running=0, local_tokens=0, tps=200.0, slack=math.inf, kv_used=0,
+           kv_capacity=10_000, max_seqs=64) -> DecodeLoad:
+    return DecodeLoad(name, running, max_seqs, kv_used, kv_capacity, local_tokens, tps, slack)
+
+
+def test_short_prompt_on_an_idle_decode_worker_is_prefilled_there():
+    p = place(64, 128, [prefill()], [decode()], CFG)
+    assert (p.where, p.worker) == (Where.LOCAL, "d0")
+    assert p.predicted_ttft_s == pytest.approx(64 / 200)
+
+
+def test_long_prompt_always_goes_to_the_prefill_tier():
+    p = place(2000, 2100, [prefill(queued=0)], [decode()], CFG)
+    assert (p.where, p.worker) == (Where.REMOTE, "p0")
+
+
+def test_short_prompt_goes_remote_when_that_finishes_sooner():
+    # Decode prefills at 50 tok/s with 100 tokens of its own pending; the prefill tier is free.
+    p = place(100, 200, [prefill(tps=400.0)], [decode(running=2, local_tokens=100, tps=50.0)], CFG)
+    assert p.where is Where.REMOTE
+    assert p.predicted_ttft_s == pytest.approx(0.25)
+
+
+def test_short_prompt_goes_local_when_the_prefill_tier_is_backed_up():
+    # The prefill worker holds a 900-token prompt: 100 more fit the budget but finish at 5 s.
+    p = place(100, 200, [prefill(queued=900)], [decode(running=3, tps=100.0, slack=2.0)], CFG)
+    assert p.where is Where.LOCAL
+    assert p.predicted_ttft_s == pytest.approx(1.0)
+
+
+def test_no_local_prefill_when_the_stall_exceeds_running_requests_slack():
+    p = place(200, 300, [prefill(queued=800)], [decode(running=3, tps=100.0, slack=1.5)], CFG)
+    assert p.where is Where.REMOTE  # a 2 s stall would break their TPOT objectives
+
+
+def test_unmeasured_local_rate_prefills_locally_only_on_an_idle_decode_worker():
+    assert place(64, 80, [prefill()], [decode(tps=None)], CFG).where is Where.LOCAL
+    assert place(64, 80, [prefill()], [decode(running=1, tps=None)], CFG).where is Where.REMOTE
+
+
+def test_prefill_worker_budget_bounds_work_sent_ahead_of_the_engine():
+    # An idle worker always takes one prompt, even beyond the budget ...
+    assert place(3000, 3100, [prefill(queued=0)], [decode()], CFG).where is Where.REMOTE
+    # ... a busy one only what fits it: nowhere to go, wait.
+    assert place(500, 600, [prefill(queued=600)], [decode(running=1)], CFG) is None
+
+
+def test_remote_closed_keeps_the_prefill_tier_for_a_ticket_ahead():
+    assert place(500, 600, [prefill()], [decode()], CFG, remote_open=False) is None
+    assert place(64, 80, [prefill()], [decode()], CFG, remote_open=False).where is Where.LOCAL
+
+
+def test_prefill_routing_soonest_finish_and_prefix_affinity():
+    workers = [prefill("p0", queued=400), prefill("p1", queued=0, tps=100.0)]
+    # p0: (400 + 600) / 200 = 5 s; p1: 600 / 100 = 6 s.
+    assert place(600, 700, workers, [], CFG).worker == "p0"
+    # p1 holds 512 of the prompt's tokens in its prefix cache: 88 / 100 s.
+    workers[1] = prefill("p1", queued=0, tps=100.0, matched=512)
+    assert place(600, 700, workers, [], CFG).worker == "p1"
+
+
+def test_decode_seat_by_running_requests_then_kv_use():
+    ds = [decode("d0", running=2, kv_used=100), decode("d1", running=1, kv_used=9000),
+          decode("d2", running=1, kv_used=50)]
+    assert pick_decode(500, ds) == "d2"
+    assert pick_decode(9_960, ds) is None  # no worker has the KV room
+    assert pick_decode(100, [decode(running=64)]) is None  # no seat
+
+
+def test_decode_slack_is_the_tightest_running_request_margin():
+    running = [
+        # 100 tokens at 50 ms allowed: 4.95 s in all; 1 s spent, 80 left at 40 ms: 0.75 s.
+        RunningRequest(0.050, 100, 20, first_token_s=9.0),
+        # no objective: no limit
+        RunningRequest(None, 100, 20, first_token_s=9.0),
+        # not started yet: no limit
+        RunningRequest(0.010, 100, 0, first_token_s=None),
+    ]
+    assert decode_slack_s(running, 0.040, now_s=10.0) == pytest.approx(0.75)
+    assert decode_slack_s(running[1:], 0.040, now_s=10.0) == math.inf
+    assert decode_slack_s([RunningRequest(0.01, 10, 5, 0.0)], 0.04, now_s=10.0) == 0.0
+
+
+def test_prefix_index_matches_whole_leading_blocks():
+    index = PrefixIndex(block_size=4)
+    a = tuple(range(10))  # blocks [0-3], [4-7]; 8, 9 are a partial block
+    index.record(a, "p0")
+    assert index.matched_tokens(a) == {"p0": 8}
+    assert index.matched_tokens(tuple(range(4)) + (99, 98, 97, 96)) == {"p0": 4}
+    assert index.matched_tokens((99,) + a[1:]) == {}
+    index.record(tuple(range(4)) + (50, 51, 52, 53), "p1")
+    assert index.matched_tokens(a) == {"p1": 4, "p0": 8}
+    index.forget("p0")
+    assert index.matched_tokens(a) == {"p1": 4}
+
+
+def test_prefix_index_is_bounded():
+    index = PrefixIndex(block_size=2, max_entries=3)
+    index.record((1, 2, 3, 4), "p0")
+    index.record((5, 6, 7, 8), "p1")  # 4 keys: the oldest, (1, 2), is forgotten
+    assert index.matched_tokens((1, 2, 3, 4)) == {}
+    assert index.matched_tokens((5, 6, 7, 8)) == {"p1": 4}

@@ -34,6 +34,9 @@ from pdserve import rpc
 
 logger = logging.getLogger(__name__)
 
+# A queued call cancelled this close to its deadline was cancelled by the deadline.
+DEADLINE_TOLERANCE_S = 0.05
+
 
 @dataclass(frozen=True, slots=True)
 class ClassObjectives:
@@ -125,7 +128,11 @@ class Dispatcher:
             return await future
         finally:
             if self._waiting.pop(ticket, None) is not None and self.queue.remove(ticket):
-                self._observe_queue()  # cancelled while queued
+                # Cancelled while queued: by gRPC at the call's deadline (racing our own
+                # expiry timer), or by the caller.
+                if ticket.expired(self._clock() + DEADLINE_TOLERANCE_S):
+                    metrics.EXPIRED.labels(ticket.priority.label).inc()
+                self._observe_queue()
 
     def pump(self) -> None:
         now = self._clock()

@@ -89,10 +89,10 @@ def place(num_prompt_tokens: int, kv_tokens: int, prefill: list[PrefillLoad], de
     local = _best_local(num_prompt_tokens, kv_tokens, decode, cfg)
     if local is None or remote is None:
         return local or remote
+    if next(d for d in decode if d.worker == local.worker).idle:
+        return local  # nothing to stall, and no handoff to wait for
     if local.predicted_ttft_s is None or remote.predicted_ttft_s is None:
-        # Unmeasured: the decode engine has the cores to itself when it is idle.
-        idle = next(d for d in decode if d.worker == local.worker).idle
-        return local if idle else remote
+        return remote
     return local if local.predicted_ttft_s <= remote.predicted_ttft_s else remote
 
 

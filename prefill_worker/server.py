@@ -44,6 +44,8 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         save = {"transport": transport.name, "location": location}
         params = sampling_params(request.sampling, max_tokens=1, kv_transfer_params={SAVE_KEY: save})
         request_id = request.request_id or uuid.uuid4().hex
+        # The order the engine receives prompts in is the order the gateway chose.
+        logger.info("prefill %s: %d prompt tokens", request_id, len(token_ids))
         first_token_id: int | None = None
         async for out in self._engine.generate(TokensPrompt(prompt_token_ids=token_ids), params, request_id):
             if out.outputs[0].token_ids:

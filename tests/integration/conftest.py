@@ -21,7 +21,7 @@ import grpc
 import psutil
 import pytest
 
-from pdserve.launcher import free_port, free_port_block
+from pdserve.launcher import core_split, free_port, free_port_block
 from pdserve.prom import sample_sum
 from pdserve.model import resolve_model
 from protos import generation_pb2_grpc, worker_pb2, worker_pb2_grpc
@@ -90,8 +90,10 @@ def references(model_path, identity_prompts, transport_prompts, tmp_path_factory
     prompts, out = tmp / "prompts.json", tmp / "outputs.json"
     all_prompts = [*identity_prompts, *transport_prompts.values()]
     prompts.write_text(json.dumps(all_prompts))
-    # One core, as each worker engine has: the same thread count gives the same arithmetic.
-    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    # The cores each worker engine has (`pdserve up --cores shared`): the same thread count
+    # gives the same arithmetic.
+    cores, _ = core_split("shared")
+    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": cores, "VLLM_CPU_KVCACHE_SPACE": "1"}
     subprocess.run(
         [sys.executable, str(ROOT / "tests/integration/colocated.py"), model_path, str(prompts),
          str(IDENTITY_MAX_TOKENS), str(out)],

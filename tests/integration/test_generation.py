@@ -28,7 +28,8 @@ def test_greedy_output_is_token_identical_to_a_colocated_engine(stack, identity_
 def test_decode_engine_receives_the_prompt_kv_instead_of_computing_it(stack, tokenizer):
     stream = token_stream(tokenizer)
     # Fresh prompts (offsets no other test uses): nothing of them is in either prefix cache.
-    prompts = [stream[700:700 + 97], stream[900:900 + 480]]
+    # Both longer than the stack's --local-prefill-max-tokens (256), so the prefill tier runs them.
+    prompts = [stream[700:700 + 297], stream[1000:1000 + 480]]
     received = stack.metric(2, "pdserve_kv_transfer_tokens_total", 'direction="recv"')
     sent = stack.metric(1, "pdserve_kv_transfer_tokens_total", 'direction="send"')
     handed_off = stack.metric(0, "pdserve_kv_handoff_tokens_total")

@@ -60,6 +60,11 @@ def test_no_local_prefill_when_the_stall_exceeds_running_requests_slack():
     assert p.where is Where.REMOTE  # a 2 s stall would break their TPOT objectives
 
 
+def test_an_idle_decode_worker_prefills_a_short_prompt_even_if_the_tier_is_faster():
+    p = place(64, 128, [prefill(tps=1000.0)], [decode(tps=100.0)], CFG)
+    assert p.where is Where.LOCAL
+
+
 def test_unmeasured_local_rate_prefills_locally_only_on_an_idle_decode_worker():
     assert place(64, 80, [prefill()], [decode(tps=None)], CFG).where is Where.LOCAL
     assert place(64, 80, [prefill()], [decode(running=1, tps=None)], CFG).where is Where.REMOTE

@@ -1,0 +1,143 @@
+"""The gateway's serving policy on real engines: class order, admission, queue expiry and
+placement, each shown by what the workers received."""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
+
+from protos import generation_pb2
+from tests.integration.conftest import token_stream
+
+OFFLINE, INTERACTIVE = generation_pb2.PRIORITY_OFFLINE, generation_pb2.PRIORITY_INTERACTIVE
+
+
+def request(prompt: list[int], request_id: str, priority=INTERACTIVE, max_tokens: int = 2,
+            **slo) -> generation_pb2.GenerateRequest:
+    return generation_pb2.GenerateRequest(
+        request_id=request_id, token_ids=prompt, priority=priority,
+        slo=generation_pb2.Slo(**slo),
+        sampling=generation_pb2.SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
+
+
+def call(stack, req: generation_pb2.GenerateRequest, timeout_s: float = 300):
+    with stack.channel() as channel:
+        return list(stack.stub(channel).Generate(req, timeout=timeout_s))
+
+
+def prefill_order(stack, request_ids: set[str]) -> list[str]:
+    """The order the prefill worker received these requests in, from its log."""
+    order = []
+    for line in list(stack.log):
+        found = re.search(r"\[prefill\].*prefill (\S+): \d+ prompt tokens", line)
+        if found and found.group(1) in request_ids:
+            order.append(found.group(1))
+    return order
+
+
+@pytest.fixture(scope="module")
+def prompts(tokenizer):
+    """Fresh prompts (offsets no other test module uses), distinct from their first block."""
+    stream = token_stream(tokenizer)
+    return lambda i, n: stream[10_000 + 41 * i: 10_000 + 41 * i + n]
+
+
+def wait_for(predicate, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out waiting"
+        time.sleep(0.05)
+
+
+def test_interactive_request_is_dispatched_ahead_of_queued_offline_prompts(stack, prompts):
+    offline = [request(prompts(i, 1000), f"order-offline-{i}", OFFLINE) for i in range(3)]
+    # Longer than --local-prefill-max-tokens, so it too must go through the prefill tier;
+    # no TTFT objective, so admission cannot turn it away.
+    interactive = request(prompts(3, 400), "order-interactive", INTERACTIVE, ttft_ms=0)
+    with ThreadPoolExecutor(4) as pool:
+        done = [pool.submit(call, stack, offline[0])]
+        wait_for(lambda: prefill_order(stack, {"order-offline-0"}))  # the engine runs it
+        done += [pool.submit(call, stack, r) for r in offline[1:]]
+        time.sleep(0.5)  # both queued in the gateway: one prompt at a time fits the budget
+        done.append(pool.submit(call, stack, interactive))
+        for f in done:
+            assert f.result()[-1].finish_reason == "length"
+    ids = {r.request_id for r in [*offline, interactive]}
+    assert prefill_order(stack, ids) == ["order-offline-0", "order-interactive", "order-offline-1",
+                                         "order-offline-2"]
+
+
+def test_a_burst_beyond_capacity_with_a_tight_ttft_objective_is_refused_at_once(stack, prompts):
+    call(stack, request(prompts(10, 600), "burst-warm", ttft_ms=0))  # the prefill rate is measured
+    refused_before = stack.metric(0, "pdserve_refusals_total", 'reason="ttft_slo"')
+    burst = [request(prompts(11 + i, 600), f"burst-{i}", ttft_ms=3000) for i in range(12)]
+    started = time.monotonic()
+    with ThreadPoolExecutor(len(burst)) as pool:
+        outcomes = list(pool.map(lambda r: _outcome(stack, r), burst))
+    codes = [code for code, _, _ in outcomes]
+    refusals = [(elapsed, retry) for code, elapsed, retry in outcomes if code == grpc.StatusCode.RESOURCE_EXHAUSTED]
+    assert set(codes) <= {grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED}, codes
+    assert len(refusals) >= 6, codes  # 12 x 600 tokens cannot all prefill within 3 s here
+    assert all(elapsed < 2.0 for elapsed, _ in refusals), refusals  # at once, not timed out
+    assert all(retry is not None and retry > 0 for _, retry in refusals), refusals
+    assert stack.metric(0, "pdserve_refusals_total", 'reason="ttft_slo"') - refused_before == len(refusals)
+    assert time.monotonic() - started < 120
+
+
+def _outcome(stack, req) -> tuple[grpc.StatusCode, float, float | None]:
+    """(status code, seconds until the call ended, RetryInfo delay if any)."""
+    started = time.monotonic()
+    with stack.channel() as channel:
+        call_ = stack.stub(channel).Generate(req, timeout=300)
+        try:
+            list(call_)
+            return grpc.StatusCode.OK, time.monotonic() - started, None
+        except grpc.RpcError as e:
+            status = rpc_status.from_call(e)
+            retry = None
+            for detail in status.details if status else []:
+                info = error_details_pb2.RetryInfo()
+                if detail.Unpack(info):
+                    retry = info.retry_delay.ToNanoseconds() / 1e9
+            return e.code(), time.monotonic() - started, retry
+
+
+def test_a_request_whose_deadline_passes_in_the_queue_never_reaches_a_worker(stack, prompts):
+    expired_before = stack.metric(0, "pdserve_queue_expired_total", 'priority="offline"')
+    busy = [request(prompts(30 + i, 1400), f"deadline-busy-{i}", OFFLINE) for i in range(2)]
+    late = request(prompts(32, 600), "deadline-late", OFFLINE)
+    with ThreadPoolExecutor(2) as pool:
+        running = [pool.submit(call, stack, r) for r in busy]
+        wait_for(lambda: prefill_order(stack, {"deadline-busy-0", "deadline-busy-1"}))
+        started = time.monotonic()
+        with pytest.raises(grpc.RpcError) as e:
+            call(stack, late, timeout_s=1.0)
+        assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert time.monotonic() - started < 5
+        for f in running:
+            f.result()
+    wait_for(lambda: stack.metric(0, "pdserve_queue_expired_total", 'priority="offline"') > expired_before, 10)
+    assert stack.metric(0, "pdserve_queue_expired_total", 'priority="offline"') - expired_before == 1
+    assert prefill_order(stack, {"deadline-late"}) == []
+    assert not any("deadline-late" in line for line in stack.log if line.startswith("[decode]"))
+
+
+def test_a_short_prompt_is_placed_on_the_decode_worker_and_a_long_one_on_the_prefill_tier(stack, prompts):
+    local_before = stack.metric(0, "pdserve_placements_total", 'where="local"')
+    remote_before = stack.metric(0, "pdserve_placements_total", 'where="remote"')
+    handoff_before = stack.metric(0, "pdserve_kv_handoff_tokens_total")
+    short = call(stack, request(prompts(40, 40), "place-short", max_tokens=4))
+    long = call(stack, request(prompts(41, 900), "place-long", max_tokens=4))
+    assert [r.usage.completion_tokens for r in (short[-1], long[-1])] == [4, 4]
+    assert stack.metric(0, "pdserve_placements_total", 'where="local"') - local_before == 1
+    assert stack.metric(0, "pdserve_placements_total", 'where="remote"') - remote_before == 1
+    assert prefill_order(stack, {"place-short", "place-long"}) == ["place-long"]
+    # Only the long prompt's KV came through the handoff.
+    assert stack.metric(0, "pdserve_kv_handoff_tokens_total") - handoff_before == 900

@@ -79,3 +79,17 @@ SLO_REQUESTS = Counter(
     "(attainment = met=\"true\" / all).",
     ["priority", "met"],
 )
+
+
+def observe_finished(label: str, started_s: float, first_s: float | None, done_s: float, num_generated: int,
+                     ttft_slo_s: float | None, tpot_slo_s: float | None) -> None:
+    """Per-class E2E and, for a request with objectives, whether it met them (TPOT as the
+    benchmarks count it: (E2E - TTFT) / (tokens - 1))."""
+    CLASS_E2E.labels(label).observe(done_s - started_s)
+    if ttft_slo_s is None and tpot_slo_s is None:
+        return
+    ttft = (first_s if first_s is not None else done_s) - started_s
+    met = ttft_slo_s is None or ttft <= ttft_slo_s
+    if tpot_slo_s is not None and num_generated > 1 and first_s is not None:
+        met = met and (done_s - first_s) / (num_generated - 1) <= tpot_slo_s
+    SLO_REQUESTS.labels(label, "true" if met else "false").inc()

@@ -55,7 +55,11 @@ class Stream:
     stop: StopMatcher = field(init=False)
     started: float = field(default_factory=time.monotonic)
     last_sent: float | None = None
+    first_sent: float | None = None
     num_generated: int = 0
+    # The request's objectives (seconds; None: none), for per-class attainment.
+    ttft_slo_s: float | None = None
+    tpot_slo_s: float | None = None
 
     def __post_init__(self) -> None:
         self.stop = StopMatcher(self.job.sampling.stop)
@@ -113,8 +117,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         ticket = self._ticket(job, prompt_ids, arrival_s, time_remaining_s)
         self._dispatcher.admit(ticket)
         grant = await self._dispatcher.acquire(ticket)
-        stream = Stream(job, len(prompt_ids))
-        stream.started = arrival_s
+        stream = Stream(job, len(prompt_ids), started=arrival_s, ttft_slo_s=ticket.ttft_slo_s,
+                        tpot_slo_s=ticket.tpot_slo_s)
         worker = self._workers.by_address(grant.placement.worker)
         if grant.placement.where is Where.LOCAL:
             assert grant.seat is not None
@@ -240,18 +244,25 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             reply.usage.prompt_tokens = stream.num_prompt_tokens
             reply.usage.completion_tokens = stream.num_generated
             metrics.E2E.observe(time.monotonic() - stream.started)
+            metrics.observe_finished(stream.job.priority.label, stream.started, stream.first_sent,
+                                     time.monotonic(), stream.num_generated, stream.ttft_slo_s, stream.tpot_slo_s)
             metrics.PROMPT_TOKENS.inc(stream.num_prompt_tokens)
             metrics.GENERATION_TOKENS.inc(stream.num_generated)
         return reply
 
     def _observe(self, stream: Stream, num_tokens: int) -> None:
         now = time.monotonic()
+        label = stream.job.priority.label
         if stream.last_sent is None:
             metrics.TTFT.observe(now - stream.started)
+            metrics.CLASS_TTFT.labels(label).observe(now - stream.started)
+            stream.first_sent = now
         elif num_tokens:
             gap = (now - stream.last_sent) / num_tokens
+            class_itl = metrics.CLASS_ITL.labels(label)
             for _ in range(num_tokens):
                 metrics.ITL.observe(gap)
+                class_itl.observe(gap)
         stream.last_sent = now
 
     def _release(self, kv: worker_pb2.KvHandle) -> None:

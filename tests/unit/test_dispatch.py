@@ -1,0 +1,173 @@
+"""gateway.dispatch: the queue, admission and placement wired together, on fake workers
+(no servers: Worker objects with WorkerInfo and no channel) and a fake clock."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from gateway.dispatch import ClassObjectives, Dispatcher, Refused
+from gateway.placement import PlacementConfig, Where
+from gateway.queue import Priority, RequestQueue, Ticket
+from gateway.workers import Worker, WorkerPool
+from pdserve import rpc
+from protos import worker_pb2
+
+I, O = Priority.INTERACTIVE, Priority.OFFLINE
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def worker(role: str, address: str) -> Worker:
+    info = worker_pb2.WorkerInfo(worker_id=address, role=role, kv_capacity_tokens=100_000, max_num_seqs=8,
+                                 layout=worker_pb2.KvLayout(block_size=32))
+    return Worker(role, address, channel=None, stub=None, info=info, healthy=True)  # type: ignore[arg-type]
+
+
+def dispatcher(policy="slo", ttft=None, **placement) -> tuple[Dispatcher, WorkerPool, Clock]:
+    pool = WorkerPool([worker("prefill", "p0"), worker("decode", "d0")])
+    clock = Clock()
+    objectives = ClassObjectives({p: ttft for p in Priority}, {p: None for p in Priority})
+    d = Dispatcher(RequestQueue(policy), pool, PlacementConfig(**placement), objectives,
+                   admission=policy == "slo", clock=clock)
+    return d, pool, clock
+
+
+def ticket(name, tokens, priority=I, arrival=100.0, deadline=None, ttft=None) -> Ticket:
+    return Ticket(name, priority, tokens, 8, arrival, deadline_s=deadline, ttft_slo_s=ttft)
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_prefill_tier_runs_the_queue_in_policy_order():
+    async def scenario():
+        d, pool, clock = dispatcher()
+        p0 = pool.by_address("p0")
+        grants = {}
+
+        async def go(t):
+            grants[t.request_id] = await d.acquire(t)
+
+        first = asyncio.create_task(go(ticket("o0", 2000, O)))
+        await asyncio.sleep(0)
+        assert grants["o0"].placement.where is Where.REMOTE and p0.queued_tokens == 2000
+        tasks = [asyncio.create_task(go(ticket(n, 2000, O))) for n in ("o1", "o2")]
+        tasks.append(asyncio.create_task(go(ticket("i", 600, I))))
+        await asyncio.sleep(0)
+        assert set(grants) == {"o0"}  # all wait: the worker holds more than its budget
+        order = []
+        for _ in range(3):
+            running = next(n for n in ("o0", "i", "o1", "o2") if n in grants and n not in order)
+            order.append(running)
+            clock.now += 5
+            d.prefill_done(p0, ticket(running, p0.queued_tokens), num_cached_tokens=0)
+            await asyncio.sleep(0)
+        await asyncio.gather(first, *tasks)
+        order.append(next(n for n in ("o1", "o2") if n not in order))
+        return order
+
+    assert run(scenario()) == ["o0", "i", "o1", "o2"]
+
+
+def test_a_ticket_waiting_for_the_tier_does_not_block_a_local_one_behind_it():
+    async def scenario():
+        d, pool, _ = dispatcher()
+        d0 = pool.by_address("d0")
+        d0.seats.add(d._seat(ticket("running", 10)))  # decode busy: local needs a measured rate
+        d0.local_meter.start(0.0)
+        d0.local_meter.finish(100, 1.0)  # 100 tok/s
+        await_first = asyncio.create_task(d.acquire(ticket("long0", 3000)))
+        await asyncio.sleep(0)
+        waiting_long = asyncio.create_task(d.acquire(ticket("long1", 3000)))
+        short = asyncio.create_task(d.acquire(ticket("short", 50)))
+        await asyncio.sleep(0)
+        grant = await short
+        assert not waiting_long.done()
+        waiting_long.cancel()
+        await asyncio.gather(waiting_long, return_exceptions=True)  # a cancelled call leaves the queue
+        return (await await_first).placement.where, grant.placement.where, len(d.queue)
+
+    assert run(scenario()) == (Where.REMOTE, Where.LOCAL, 0)
+
+
+def test_a_deadline_passing_in_the_queue_ends_the_request_before_any_worker():
+    async def scenario():
+        d, pool, clock = dispatcher()
+        busy = asyncio.create_task(d.acquire(ticket("busy", 3000)))
+        await asyncio.sleep(0)
+        late = asyncio.create_task(d.acquire(ticket("late", 3000, deadline=100.5)))
+        await asyncio.sleep(0)
+        clock.now = 100.6
+        d.pump()
+        with pytest.raises(rpc.DeadlineExceeded, match="deadline passed after 0.60 s"):
+            await late
+        await busy
+        return pool.by_address("p0").queued_tokens, len(d.queue)
+
+    assert run(scenario()) == (3000, 0)  # only "busy" reached the worker
+
+
+def test_admission_refuses_a_predicted_ttft_miss_with_a_retry_hint():
+    async def scenario():
+        d, pool, _ = dispatcher(ttft=2.0, local_prefill_max_tokens=0)
+        p0 = pool.by_address("p0")
+        p0.prefill_meter.start(0.0)
+        p0.prefill_meter.finish(1000, 10.0)  # 100 tok/s
+        d.admit(ticket("fits", 150, ttft=2.0))  # 1.5 s
+        await d.acquire(ticket("fits", 150, ttft=2.0))  # now 150 tokens in flight
+        with pytest.raises(Refused) as e:
+            d.admit(ticket("late", 100, ttft=2.0))  # (150 + 100) / 100 = 2.5 s
+        return e.value.retry_after_s, str(e.value)
+
+    retry, message = run(scenario())
+    assert retry == pytest.approx(0.5)
+    assert "predicted time to first token 2.50 s" in message
+
+
+def test_fifo_policy_admits_everything_and_keeps_arrival_order():
+    async def scenario():
+        d, pool, clock = dispatcher("fifo", ttft=0.001, local_prefill_max_tokens=0)
+        p0 = pool.by_address("p0")
+        p0.prefill_meter.start(0.0)
+        p0.prefill_meter.finish(10, 10.0)  # 1 tok/s: every TTFT objective would be missed
+        got = []
+
+        async def go(t):
+            await d.acquire(t)
+            got.append(t.request_id)
+
+        tasks = [asyncio.create_task(go(t)) for t in (ticket("o", 2000, O), ticket("o2", 2000, O), ticket("i", 10, I))]
+        for t in (ticket("o", 2000, O), ticket("o2", 2000, O), ticket("i", 10, I)):
+            d.admit(t)
+        await asyncio.sleep(0)
+        for _ in range(2):
+            d.prefill_done(p0, ticket("x", p0.queued_tokens), 0)
+            await asyncio.sleep(0)
+        await asyncio.gather(*tasks)
+        return got
+
+    assert run(scenario()) == ["o", "o2", "i"]
+
+
+def test_decode_seats_wait_when_every_decode_worker_is_full():
+    async def scenario():
+        d, pool, _ = dispatcher()
+        d0 = pool.by_address("d0")
+        seats = [(await d.decode_seat(ticket(f"r{i}", 10)))[1] for i in range(8)]  # max_num_seqs 8
+        waiting = asyncio.create_task(d.decode_seat(ticket("r8", 10)))
+        await asyncio.sleep(0)
+        assert not waiting.done()
+        d.release(d0, seats[0])
+        worker, _ = await waiting
+        return worker.address, len(d0.seats)
+
+    assert run(scenario()) == ("d0", 8)

@@ -205,14 +205,16 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         if kv is not None:
             request.kv.CopyFrom(kv)
         call = worker.stub.Decode(request)
-        last_s = time.monotonic()
+        last_s: float | None = None  # the first chunk's wait is a prefill or a KV load, not a step
         try:
             async for chunk in call:
                 now = time.monotonic()
                 if seat.first_token_s is None:
                     self._dispatcher.first_token(worker, seat, len(chunk.token_ids), chunk.num_cached_tokens)
-                else:
+                elif last_s is not None:
                     self._dispatcher.tokens(worker, seat, len(chunk.token_ids), now - last_s)
+                else:
+                    seat.num_generated += len(chunk.token_ids)
                 last_s = now
                 reply = await self._reply(stream, list(chunk.token_ids), chunk.finish_reason)
                 if chunk.finish_reason:

@@ -197,7 +197,7 @@ def _add_search_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--bisections", type=int, default=2, help="narrowing steps of the bracket")
     g.add_argument("--max-up-steps", type=int, default=5,
                    help="steps up from the start rate before giving up ('above the ceiling')")
-    g.add_argument("--budget-min", type=float, default=36.0,
+    g.add_argument("--budget-min", type=float, default=38.0,
                    help="whole compare's time budget; a rate that would not fit is skipped")
     g.add_argument("--calibration-requests", type=int, default=8,
                    help="unloaded requests per class that set the SLOs (sent one at a time)")

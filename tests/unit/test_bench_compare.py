@@ -188,7 +188,7 @@ def test_cli_compare_without_flags_is_the_short_preset(tmp_path):
     assert cfg.workload_name == "short" and cfg.systems == ("vllm", "pdserve")
     assert cfg.bench.workload == preset_workload("short")
     assert cfg.bench.num_requests == 40 and cfg.bench.slo == SLO()
-    assert cfg.plan == SearchPlan(budget_s=36 * 60.0)
+    assert cfg.plan == SearchPlan(budget_s=38 * 60.0)
 
 
 def test_cli_compare_mixed_runs_three_systems_fifo_before_slo(tmp_path):
@@ -260,5 +260,6 @@ def test_run_compare_against_a_fake_pdserve_calibrates_searches_and_sends_slos(t
     assert result.calibration.slos().default == SLO(10.0, 1.0)
     measured = received[3:]
     assert {(r.slo.ttft_ms, r.slo.tpot_ms) for r in measured} == {(10000, 1000)}
-    assert not any(r.HasField("slo") for r in received[:3])  # before the SLOs existed
+    # Given SLOs are known before the unloaded run, so its requests carry them too.
+    assert {(r.slo.ttft_ms, r.slo.tpot_ms) for r in received[:3]} == {(10000, 1000)}
     assert {r.priority for r in measured} == {generation_pb2.PRIORITY_UNSPECIFIED}

@@ -3,6 +3,7 @@
 Modules, one concept each:
 
 - `workload`  what to send: request specs (prompt token ids, output length, class).
+- `presets`   named workloads: short, long, mixed.
 - `arrivals`  when to send it: Poisson / gamma inter-arrival offsets.
 - `record`    what came back: the timeline of one request.
 - `metrics`   pure computations over records: latencies, percentiles, goodput.
@@ -10,7 +11,11 @@ Modules, one concept each:
 - `loadgen`   the open-loop (rate) and closed-loop (concurrency) drivers.
 - `runner`    one benchmark run or a sweep over rates, from a `BenchConfig`.
 - `report`    terminal table, JSON and PNG plots.
+- `gateway_cpu` the gateway's CPU per generated token, from its /metrics.
+- `calibration` SLOs from a system's unloaded latencies.
+- `search`    the goodput search: raise the rate to the knee, bisect, interpolate.
 - `servers`   start/stop of the servers under test (pdserve up, vLLM) for `compare`.
 - `compare`   pdserve vs colocated vLLM on the same workload.
+- `compare_report` its JSON and table.
 - `cli`       the `pdserve bench` subcommands.
 """

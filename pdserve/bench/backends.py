@@ -6,7 +6,9 @@ rules, so their numbers compare: a chunk counts when it carries at least one out
 reports one, and a failure is recorded under a code name rather than raised, so one bad
 request never stops a run.
 
-- `GrpcBackend`: ``pdserve.v1.Generation/Generate`` with ``token_ids`` and ``ignore_eos``.
+- `GrpcBackend`: ``pdserve.v1.Generation/Generate`` with ``token_ids`` and ``ignore_eos``,
+  each request's class as its ``priority`` and its class's SLO as its ``slo``, so the
+  gateway schedules and admits by the objectives the run is judged by.
 - `OpenAIBackend`: ``POST /v1/completions`` with ``"stream": true``, the prompt as a token
   id list, and ``return_token_ids`` (vLLM) to count tokens per chunk; servers that ignore
   it are counted as one token per non-empty chunk.
@@ -22,6 +24,7 @@ from typing import Protocol
 
 import grpc
 
+from pdserve.bench.metrics import SLO, Objective
 from pdserve.bench.record import Chunk, RequestRecord
 from pdserve.bench.workload import RequestSpec
 from protos import generation_pb2, generation_pb2_grpc
@@ -57,11 +60,11 @@ def new_record(spec: RequestSpec, send_s: float) -> RequestRecord:
 
 
 def priority_setter(request_type: type) -> Callable[[object, RequestSpec], None]:
-    """Sets `priority` on a GenerateRequest if the API has grown such a field.
+    """Sets `priority` on a GenerateRequest (a no-op for an API without the field).
 
-    The field does not exist yet; when it appears, an integer field takes the spec's
-    number and an enum field takes the value named after the class (``INTERACTIVE`` or
-    ``PRIORITY_INTERACTIVE``), else the value with the spec's number.
+    An integer field takes the spec's number; an enum field takes the value named after
+    the class (``INTERACTIVE`` or ``PRIORITY_INTERACTIVE``), else the value with the
+    spec's number (the class "default" has 0: PRIORITY_UNSPECIFIED, i.e. interactive).
     """
     field = request_type.DESCRIPTOR.fields_by_name.get("priority")
     if field is None:
@@ -80,10 +83,24 @@ def priority_setter(request_type: type) -> Callable[[object, RequestSpec], None]
     return set_enum
 
 
+def slo_message(slo: SLO) -> generation_pb2.Slo | None:
+    """The request's ``slo`` in whole milliseconds (at least 1: 0 means "no objective");
+    None when the SLO constrains nothing, so the gateway's class defaults apply."""
+    if slo.ttft_s is None and slo.tpot_s is None:
+        return None
+    message = generation_pb2.Slo()
+    if slo.ttft_s is not None:
+        message.ttft_ms = max(1, round(slo.ttft_s * 1000))
+    if slo.tpot_s is not None:
+        message.tpot_ms = max(1, round(slo.tpot_s * 1000))
+    return message
+
+
 class GrpcBackend:
-    def __init__(self, target: str, sampling: SamplingConfig) -> None:
+    def __init__(self, target: str, sampling: SamplingConfig, slo: Objective = SLO()) -> None:
         self._target = target
         self._sampling = sampling
+        self._slo = slo
         self._set_priority = priority_setter(generation_pb2.GenerateRequest)
         self._channel: grpc.aio.Channel | None = None
         self._stub: generation_pb2_grpc.GenerationStub | None = None
@@ -106,6 +123,9 @@ class GrpcBackend:
                 max_tokens=spec.output_len, temperature=self._sampling.temperature,
                 ignore_eos=self._sampling.ignore_eos))
         self._set_priority(request, spec)
+        slo = slo_message(self._slo.of(spec.class_name))
+        if slo is not None:
+            request.slo.CopyFrom(slo)
         return request
 
     async def generate(self, spec: RequestSpec, now: Clock) -> RequestRecord:

@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pdserve.bench.backends import SamplingConfig
 from pdserve.bench.metrics import SLO
+from pdserve.bench.presets import PRESET_NAMES, preset_workload
 from pdserve.bench.runner import BenchConfig
 from pdserve.bench.workload import (
     WORKLOAD_KINDS,
@@ -25,11 +28,15 @@ from pdserve.bench.workload import (
     parse_class_mix,
 )
 
+if TYPE_CHECKING:
+    from pdserve.bench.compare import CompareConfig
+
 EPILOG = """examples:
   pdserve bench run --target 127.0.0.1:50051 --rate 1 --num-requests 100
   pdserve bench run --rates 0.25,0.5,1,1.5 --slo-ttft-s 2 --slo-tpot-s 0.25 --plot-dir plots
   pdserve bench run --backend openai --base-url http://127.0.0.1:8000 --concurrency 8
-  pdserve bench compare --json compare.json --plot-dir plots
+  pdserve bench run --workload mixed --rate 0.3 --gateway-metrics 127.0.0.1:9400
+  pdserve bench compare --workload long --json long.json --plot-dir plots
 """
 
 
@@ -44,6 +51,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     run = commands.add_parser("run", help="benchmark one running server",
                               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     _add_target_args(run)
+    run.add_argument("--gateway-metrics", metavar="HOST:PORT",
+                     help="pdserve gateway's metrics address: report its CPU per output token")
     _add_load_args(run, rates_default=None)
     _add_workload_args(run)
     _add_output_args(run)
@@ -51,18 +60,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     compare = commands.add_parser(
         "compare", help="pdserve vs colocated vLLM on the same workload (starts both)",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        description="Goodput found by search, SLOs from vLLM's unloaded latencies in the same "
+                    "run. Default: --workload short, systems vllm,pdserve (mixed: also "
+                    "pdserve-fifo).", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     _add_compare_args(compare)
-    _add_load_args(compare, rates_default=None)
+    _add_load_args(compare, rates_default=None, open_loop=False)
+    _add_search_args(compare)
     _add_workload_args(compare)
     _add_output_args(compare)
-    from pdserve.bench import compare as compare_defaults  # light: no server code runs
-
-    compare.set_defaults(func=cmd_compare, rates=list(compare_defaults.DEFAULT_RATES_RPS),
-                         num_requests=compare_defaults.DEFAULT_NUM_REQUESTS,
-                         input_len_range=compare_defaults.DEFAULT_INPUT_LEN,
-                         output_len_range=compare_defaults.DEFAULT_OUTPUT_LEN,
-                         slo_ttft_s=2.0, slo_tpot_s=0.25)
+    compare.set_defaults(func=cmd_compare, num_requests=40)
 
     # kvtransfer.bench (and torch) load only when this runs; its flags are parsed then,
     # so every argument is taken as is here ("\0" as prefix: nothing looks like a flag).
@@ -110,19 +116,22 @@ def _add_target_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model-name", help="openai: model field; unset: the first of /v1/models")
 
 
-def _add_load_args(p: argparse.ArgumentParser, rates_default: str | None) -> None:
+def _add_load_args(p: argparse.ArgumentParser, rates_default: str | None,
+                   open_loop: bool = True) -> None:
+    """`open_loop`: the flags that choose the load (compare's search chooses its own)."""
     g = p.add_argument_group("load")
-    g.add_argument("--rate", type=float, help="open loop: mean request rate (req/s)")
-    g.add_argument("--rates", type=_floats, default=_floats(rates_default or ""),
-                   help="open loop sweep: comma-separated request rates (req/s)")
+    if open_loop:
+        g.add_argument("--rate", type=float, help="open loop: mean request rate (req/s)")
+        g.add_argument("--rates", type=_floats, default=_floats(rates_default or ""),
+                       help="open loop sweep: comma-separated request rates (req/s)")
+        g.add_argument("--concurrency", type=int,
+                       help="closed loop with this many users; with a rate, a cap on in-flight")
+        g.add_argument("--duration", type=float, dest="duration_s",
+                       help="stop sending after this many seconds (per run)")
     g.add_argument("--burstiness", type=float, default=1.0,
                    help="gamma shape of inter-arrival gaps: 1 Poisson, <1 burstier")
-    g.add_argument("--concurrency", type=int,
-                   help="closed loop with this many users; with a rate, a cap on in-flight")
     g.add_argument("--num-requests", type=int,
                    help="measured requests per run (default 100 unless --duration is given)")
-    g.add_argument("--duration", type=float, dest="duration_s",
-                   help="stop sending after this many seconds (per run)")
     g.add_argument("--warmup", type=int, default=2, help="requests sent and not measured")
     g.add_argument("--seed", type=int, default=0, help="same seed -> same workload")
     g.add_argument("--slo-ttft-s", type=float, help="SLO on time to first token (s)")
@@ -135,15 +144,16 @@ def _add_load_args(p: argparse.ArgumentParser, rates_default: str | None) -> Non
 
 def _add_workload_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("workload")
-    g.add_argument("--workload", choices=WORKLOAD_KINDS,
-                   help="default: sharegpt with --dataset, else random")
-    g.add_argument("--input-len-range", type=_length_range, default=LengthRange(64, 1536),
-                   metavar="LOW:HIGH", help="random: prompt tokens")
-    g.add_argument("--output-len-range", type=_length_range, default=LengthRange(32, 256),
-                   metavar="LOW:HIGH", help="random, shared-prefix: output tokens")
-    g.add_argument("--class-mix", default=",".join(f"{c.name}={c.weight:g}"
-                                                   for c in default_classes()),
-                   help="classmix: class=weight list (priorities 0, 1, 2 in that order)")
+    g.add_argument("--workload", choices=(*PRESET_NAMES, *WORKLOAD_KINDS),
+                   help="a preset (short, long, mixed: see pdserve.bench.presets) or a kind; "
+                        "default: compare short, run sharegpt with --dataset, else random")
+    g.add_argument("--input-len-range", type=_length_range, metavar="LOW:HIGH",
+                   help="random: prompt tokens (default 64:1536, or the preset's)")
+    g.add_argument("--output-len-range", type=_length_range, metavar="LOW:HIGH",
+                   help="random, shared-prefix: output tokens (default 32:256, or the preset's)")
+    g.add_argument("--class-mix", help="classmix, mixed: class=weight list reweighting (and "
+                   "selecting) the classes; classmix default: " + ",".join(
+                       f"{c.name}={c.weight:g}" for c in default_classes()))
     g.add_argument("--num-prefix-groups", type=int, default=4)
     g.add_argument("--prefix-len", type=int, default=1024, help="shared-prefix: tokens")
     g.add_argument("--suffix-len-range", type=_length_range, default=LengthRange(32, 256),
@@ -165,7 +175,8 @@ def _add_output_args(p: argparse.ArgumentParser) -> None:
 
 def _add_compare_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("systems")
-    g.add_argument("--systems", default="pdserve,vllm", help="which to run, in order")
+    g.add_argument("--systems", help="some of vllm,pdserve-fifo,pdserve (run in that order); "
+                   "default vllm,pdserve, with --workload mixed all three")
     g.add_argument("--vllm-cpus", default="0-1", help="VLLM_CPU_OMP_THREADS_BIND for vLLM")
     g.add_argument("--vllm-kv-cache-gib", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE")
     g.add_argument("--pdserve-target", help="benchmark this running pdserve instead of starting one")
@@ -173,6 +184,23 @@ def _add_compare_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--boot-timeout-s", type=float, default=600.0)
     g.add_argument("--log-dir", type=Path, default=Path("bench-logs"),
                    help="server output goes to LOG_DIR/<system>.log")
+
+
+def _add_search_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("goodput search (pdserve.bench.search)")
+    g.add_argument("--start-rate", type=float, dest="start_rps",
+                   help="first rate measured (default: 1 / vLLM's unloaded mean E2E)")
+    g.add_argument("--floor-rate", type=float, dest="floor_rps",
+                   help="lowest rate measured; missing there reports 'below the floor' "
+                        "(default: start rate / step factor)")
+    g.add_argument("--step-factor", type=float, default=2.0, help="rate step up and down")
+    g.add_argument("--bisections", type=int, default=2, help="narrowing steps of the bracket")
+    g.add_argument("--max-up-steps", type=int, default=5,
+                   help="steps up from the start rate before giving up ('above the ceiling')")
+    g.add_argument("--budget-min", type=float, default=38.0,
+                   help="whole compare's time budget; a rate that would not fit is skipped")
+    g.add_argument("--calibration-requests", type=int, default=8,
+                   help="unloaded requests per class that set the SLOs (sent one at a time)")
 
 
 # ---------------------------------------------------------------- config -----------------
@@ -188,29 +216,60 @@ def default_model_path() -> Path | None:
     return path if (path / "config.json").is_file() else None
 
 
-def workload_config(args: argparse.Namespace) -> WorkloadConfig:
-    kind = args.workload or ("sharegpt" if args.dataset else "random")
-    model = args.model or (default_model_path() if kind == "sharegpt" else None)
-    return WorkloadConfig(
-        kind=kind, input_len=args.input_len_range, output_len=args.output_len_range,
-        classes=parse_class_mix(args.class_mix), num_prefix_groups=args.num_prefix_groups,
-        prefix_len=args.prefix_len, suffix_len=args.suffix_len_range, dataset=args.dataset,
-        tokenizer_path=model, max_model_len=args.max_model_len)
+RANDOM_INPUT, RANDOM_OUTPUT = LengthRange(64, 1536), LengthRange(32, 256)
+
+
+def workload_config(args: argparse.Namespace, default: str = "random") -> WorkloadConfig:
+    name = args.workload or ("sharegpt" if args.dataset else default)
+    if name in PRESET_NAMES:
+        cfg = preset_workload(name, args.max_model_len)
+    else:
+        model = args.model or (default_model_path() if name == "sharegpt" else None)
+        cfg = WorkloadConfig(
+            kind=name, input_len=RANDOM_INPUT, output_len=RANDOM_OUTPUT,
+            num_prefix_groups=args.num_prefix_groups, prefix_len=args.prefix_len,
+            suffix_len=args.suffix_len_range, dataset=args.dataset, tokenizer_path=model,
+            max_model_len=args.max_model_len)
+    return dataclasses.replace(
+        cfg, input_len=args.input_len_range or cfg.input_len,
+        output_len=args.output_len_range or cfg.output_len,
+        classes=parse_class_mix(args.class_mix, cfg.classes) if args.class_mix else cfg.classes)
 
 
 def bench_config(args: argparse.Namespace) -> BenchConfig:
-    rates = sorted(args.rates) if args.rates else ([args.rate] if args.rate else [])
+    """`run`'s config; for `compare`, the template its search fills in (closed loop at 1,
+    the unloaded run's load, until the search sets each rate)."""
+    is_compare = args.func is cmd_compare
+    rates = [] if is_compare else (sorted(args.rates) if args.rates
+                                   else ([args.rate] if args.rate else []))
+    duration_s = None if is_compare else args.duration_s
     return BenchConfig(
         backend=getattr(args, "backend", "grpc"), target=getattr(args, "target", ""),
         base_url=getattr(args, "base_url", ""), model_name=getattr(args, "model_name", None),
-        workload=workload_config(args), rates_rps=rates, concurrency=args.concurrency,
-        burstiness=args.burstiness,
+        workload=workload_config(args, "short" if is_compare else "random"), rates_rps=rates,
+        concurrency=1 if is_compare else args.concurrency, burstiness=args.burstiness,
         # --duration alone means "as many requests as fit in it".
         num_requests=args.num_requests if args.num_requests is not None
-        else (None if args.duration_s else 100),
-        duration_s=args.duration_s, warmup=args.warmup, seed=args.seed,
+        else (None if duration_s else 100),
+        duration_s=duration_s, warmup=args.warmup, seed=args.seed,
         slo=SLO(args.slo_ttft_s, args.slo_tpot_s),
-        sampling=SamplingConfig(args.temperature, args.ignore_eos, args.request_timeout_s))
+        sampling=SamplingConfig(args.temperature, args.ignore_eos, args.request_timeout_s),
+        gateway_metrics=getattr(args, "gateway_metrics", None))
+
+
+def compare_config(args: argparse.Namespace, model: Path) -> CompareConfig:
+    from pdserve.bench.compare import CompareConfig, SearchPlan, default_systems
+
+    workload_name = args.workload or "short"
+    systems = (tuple(s.strip() for s in args.systems.split(",") if s.strip()) if args.systems
+               else default_systems(workload_name))
+    plan = SearchPlan(args.start_rps, args.floor_rps, args.step_factor, args.bisections,
+                      args.max_up_steps, args.budget_min * 60, args.calibration_requests)
+    return CompareConfig(
+        bench=bench_config(args), model=model, workload_name=workload_name, systems=systems,
+        plan=plan, log_dir=args.log_dir, vllm_cpus=args.vllm_cpus,
+        vllm_kv_cache_gib=args.vllm_kv_cache_gib, pdserve_target=args.pdserve_target,
+        vllm_url=args.vllm_url, boot_timeout_s=args.boot_timeout_s)
 
 
 def _write_json(doc: dict, where: str) -> None:
@@ -226,6 +285,7 @@ def _write_json(doc: dict, where: str) -> None:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    from pdserve.bench.gateway_cpu import GatewayMetricsError
     from pdserve.bench.report import format_result, result_dict, write_plots
     from pdserve.bench.runner import run_bench
 
@@ -234,7 +294,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"pdserve bench run: {e}", file=sys.stderr)
         return 2
-    result = asyncio.run(run_bench(cfg))
+    try:
+        result = asyncio.run(run_bench(cfg))
+    except GatewayMetricsError as e:
+        print(f"pdserve bench run: {e}", file=sys.stderr)
+        return 2
     # With JSON on stdout, the table goes to stderr so stdout stays parseable.
     print(format_result(result), file=sys.stderr if args.json == "-" else sys.stdout)
     if args.json:
@@ -246,7 +310,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    from pdserve.bench import compare
+    from pdserve.bench import compare, compare_report
     from pdserve.bench.report import write_plots
 
     model = args.model or default_model_path()
@@ -255,27 +319,24 @@ def cmd_compare(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     try:
-        cfg = compare.CompareConfig(
-            bench=bench_config(args), model=model,
-            systems=tuple(s.strip() for s in args.systems.split(",") if s.strip()),
-            log_dir=args.log_dir, vllm_cpus=args.vllm_cpus,
-            vllm_kv_cache_gib=args.vllm_kv_cache_gib, pdserve_target=args.pdserve_target,
-            vllm_url=args.vllm_url, boot_timeout_s=args.boot_timeout_s)
+        cfg = compare_config(args, model)
     except ValueError as e:
         print(f"pdserve bench compare: {e}", file=sys.stderr)
         return 2
-    results = compare.run_compare(cfg)
-    doc = compare.compare_dict(cfg, results)
-    print(compare.format_compare(doc, results), file=sys.stderr if args.json == "-" else sys.stdout)
+    result = compare.run_compare(cfg)
+    doc = compare_report.compare_dict(cfg, result)
+    print(compare_report.format_compare(doc),
+          file=sys.stderr if args.json == "-" else sys.stdout)
     if args.save_records:
-        doc["detail"] = compare.detail_dict(results)
+        doc["detail"] = compare_report.detail_dict(result)
     if args.json:
         _write_json(doc, args.json)
-    series = {name: r.result.runs for name, r in results.items() if r.result is not None}
+    series = {name: sorted(s.runs, key=lambda r: r.load.rate_rps)
+              for name, s in result.systems.items() if s.runs}
     if args.plot_dir and series:
         for path in write_plots(series, args.plot_dir):
             print(f"[bench] wrote {path}", file=sys.stderr)
-    return 0 if all(r.error is None for r in results.values()) else 1
+    return 0 if all(s.error is None for s in result.systems.values()) else 1
 
 
 def cmd_kv(args: argparse.Namespace) -> int:

@@ -1,21 +1,25 @@
-"""pdserve against colocated vLLM on one machine, with one seeded workload.
+"""pdserve against colocated vLLM on one machine, one seeded workload, SLOs from the run.
 
-The systems run one after the other, never together: start the server, warm it up,
-sweep the request rates, stop it and check that no process is left, then the next one.
-Each system is summarized by DistServe's goodput (the highest rate at which >= 90% of
-requests meet both SLOs, interpolated between swept rates) and by throughput and
-latency percentiles at the highest rate swept; `ratios` are pdserve / vLLM. Both servers
-get the same model folder, dtype (pdserve.engine.resolve_dtype: float32 on this AVX2 CPU), eager mode, block size 32 and
-context length.
+The systems run one after the other, never together, in the order vllm, pdserve-fifo,
+pdserve (whichever `systems` selects):
 
-Defaults fit this project's 2-core AVX2 machine (no AVX512-BF16): bf16 matmuls run at
-about 7 GFLOP/s per core there, so a core prefills about 30 tokens/s and one decode step
-takes about 170 ms. With the issue's 64-1,536-token prompts no request can meet a 2 s TTFT
-(64 tokens already take about 2 s) and a sweep with a light-load rate would take hours. So
-the defaults shrink the requests to 16-64 prompt and 16-64 output tokens and sweep 0.05
-(light), 0.15 and 0.4 req/s (overload) with 16 requests each: about 470 s of arrivals per
-system, plus drains and two boots, about 20 minutes for the pair. Every length and rate
-is a flag; `--input-len-range 64:1536 --output-len-range 32:256` gives the issue's mix.
+1. Boot the system (or use a given address); warm it up (`BenchConfig.warmup` requests).
+2. The first system only (vLLM unless deselected): the unloaded run, a few requests per
+   class one at a time, gives the SLOs (3x TTFT p50, 1.5x TPOT p50 per class, see
+   `calibration`) and the search's start rate (1 / unloaded mean E2E) and floor (start /
+   factor). Flags override any of them.
+3. The goodput search (`search.RateSearch`): each measured rate is `num_requests` Poisson
+   arrivals of the same seeded lengths and schedule, so both systems face identical
+   requests at a rate; token ids are fresh per rate (no prefix-cache hits across rates).
+   pdserve's requests carry their class priority and their class's SLO.
+4. Extra rates: pdserve (policy slo) is also measured where pdserve-fifo's interactive
+   attainment first fell below 90%, so the two policies compare at the same rate.
+5. Stop the system; check nothing is left running.
+
+Time: the whole compare has `budget_s`. Each system gets an equal share of what is left
+when it starts; a measurement is started only if its estimated time, (n - 1) / rate plus
+twice the unloaded E2E for the drain, fits in the share (minus what the extra rates need).
+A search cut short still reports a value when it has a bracket (with fewer bisections).
 """
 
 from __future__ import annotations
@@ -24,29 +28,71 @@ import asyncio
 import dataclasses
 import os
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pdserve.bench.metrics import DISTSERVE_TARGET, LatencyStats
-from pdserve.bench.report import format_result, result_dict
-from pdserve.bench.runner import BenchConfig, BenchResult, RunResult, run_bench
+from pdserve.bench.calibration import Calibration, CalibrationError, calibrate
+from pdserve.bench.compare_report import policy_rate
+from pdserve.bench.loadgen import LoadConfig
+from pdserve.bench.metrics import SLO
+from pdserve.bench.presets import class_weights, single_class
+from pdserve.bench.record import RequestRecord
+from pdserve.bench.runner import BenchConfig, RunResult, make_backend, run_load, warm_up
+from pdserve.bench.search import RateSearch, SearchConfig, SearchOutcome, round_rate
 from pdserve.bench.servers import ServerError, ServerProcess, ServerSpec, free_port
-from pdserve.bench.workload import LengthRange
 
-SYSTEMS = ("pdserve", "vllm")
-DEFAULT_RATES_RPS = (0.05, 0.15, 0.4)
-DEFAULT_NUM_REQUESTS = 16
-DEFAULT_INPUT_LEN = LengthRange(16, 64)
-DEFAULT_OUTPUT_LEN = LengthRange(16, 64)
-RATIO_KEYS = ("goodput_rps", "output_tok_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s",
-              "tpot_p99_s")
+# The order systems run in: vLLM calibrates; fifo before slo so that pdserve (slo) can be
+# measured at the rate where fifo failed its interactive class.
+SYSTEMS = ("vllm", "pdserve-fifo", "pdserve")
+DEFAULT_NUM_REQUESTS = 40
+DEFAULT_CALIBRATION_REQUESTS = 8
+# 38 of the 40 minutes one workload may take: room for a measurement that runs over its
+# estimate (an overloaded rate drains at the system's capacity, not at the offered rate)
+# and for the last server's shutdown. Less would drop the `long` floor measurement of vLLM
+# (about 10 of its 18 minutes), which is what bounds the goodput ratio there.
+DEFAULT_BUDGET_S = 38 * 60.0
+CALIBRATION_SEED_OFFSET = 2_000_003  # keeps the unloaded run's prompts apart
+
+
+def default_systems(workload_name: str) -> tuple[str, ...]:
+    return SYSTEMS if workload_name == "mixed" else ("vllm", "pdserve")
+
+
+@dataclass(slots=True, frozen=True)
+class SearchPlan:
+    """How the goodput search runs; None: derived from the unloaded run."""
+
+    start_rps: float | None = None
+    floor_rps: float | None = None
+    factor: float = 2.0
+    bisections: int = 2
+    max_up_steps: int = 5
+    budget_s: float = DEFAULT_BUDGET_S
+    calibration_requests: int = DEFAULT_CALIBRATION_REQUESTS
+
+    def __post_init__(self) -> None:
+        if self.calibration_requests < 1:
+            raise ValueError("the unloaded run needs at least 1 request per class")
+        if self.budget_s <= 0:
+            raise ValueError(f"time budget must be > 0, got {self.budget_s} s")
+
+    def search_config(self, calibration: Calibration, weights: dict[str, float]) -> SearchConfig:
+        start = self.start_rps or round_rate(1.0 / calibration.mean_e2e_s(weights))
+        floor = self.floor_rps or round_rate(start / self.factor)
+        return SearchConfig(max(start, floor), floor, self.factor, self.bisections,
+                            self.max_up_steps)
 
 
 @dataclass(slots=True)
 class CompareConfig:
-    bench: BenchConfig  # workload, rates, SLOs; backend and address are set per system
+    # Workload, requests per rate, seed, sampling, and SLO fields given by flags; the
+    # rates come from the search, so its load is the unloaded run's (concurrency 1).
+    bench: BenchConfig
     model: Path
-    systems: tuple[str, ...] = SYSTEMS
+    workload_name: str = "short"
+    systems: tuple[str, ...] = ("vllm", "pdserve")
+    plan: SearchPlan = field(default_factory=SearchPlan)
     log_dir: Path = Path("bench-logs")
     # Cores for colocated vLLM (VLLM_CPU_OMP_THREADS_BIND) and its KV cache in GiB.
     vllm_cpus: str = "0-1"
@@ -59,9 +105,16 @@ class CompareConfig:
     def __post_init__(self) -> None:
         unknown = set(self.systems) - set(SYSTEMS)
         if unknown or not self.systems:
-            raise ValueError(f"systems {self.systems}: want some of {', '.join(SYSTEMS)}")
-        if len(self.bench.rates_rps) < 1:
-            raise ValueError("compare sweeps request rates: give at least one rate")
+            raise ValueError(f"systems {','.join(self.systems)}: want some of "
+                             f"{', '.join(SYSTEMS)}")
+        if self.bench.num_requests is None or self.bench.num_requests < 1:
+            raise ValueError("compare measures each rate with --num-requests N (N >= 1)")
+        if not isinstance(self.bench.slo, SLO):
+            raise ValueError("compare takes one given SLO (or none); per-class SLOs are "
+                             "calibrated")
+
+    def run_order(self) -> tuple[str, ...]:
+        return tuple(s for s in SYSTEMS if s in self.systems)
 
 
 @dataclass(slots=True)
@@ -70,14 +123,36 @@ class SystemResult:
     command: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
     boot_s: float | None = None
-    result: BenchResult | None = None
+    runs: list[RunResult] = field(default_factory=list)  # in the order measured
+    search: SearchOutcome | None = None
+    stopped_by_budget: bool = False
+    skipped_rates: list[float] = field(default_factory=list)  # extra rates out of time
     error: str | None = None
 
 
-def pdserve_argv(port: int, model: Path, max_model_len: int) -> list[str]:
+@dataclass(slots=True)
+class CompareResult:
+    systems: dict[str, SystemResult] = field(default_factory=dict)
+    calibration: Calibration | None = None
+    unloaded_records: list[RequestRecord] = field(default_factory=list)
+    search: SearchConfig | None = None
+    elapsed_s: float = 0.0
+
+
+def log(message: str) -> None:
+    print(f"[bench] {message}", file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------- servers ----------------
+
+
+def pdserve_argv(port: int, model: Path, max_model_len: int, policy: str | None) -> list[str]:
     # Metrics off: `up` would otherwise bind fixed ports that a concurrent stack may hold.
+    # The policy flag only where it differs from the default (slo), so that a `pdserve up`
+    # without the flag still serves the default system.
     return [sys.executable, "-m", "pdserve.cli", "up", "--port", str(port), "--model",
-            str(model), "--max-model-len", str(max_model_len), "--metrics-port", "0"]
+            str(model), "--max-model-len", str(max_model_len), "--metrics-port", "0",
+            *(["--policy", policy] if policy else [])]
 
 
 def source_root_env() -> dict[str, str]:
@@ -87,12 +162,13 @@ def source_root_env() -> dict[str, str]:
     return {"PYTHONPATH": root + (os.pathsep + rest if rest else "")}
 
 
-def pdserve_spec(cfg: CompareConfig, port: int) -> ServerSpec:
+def pdserve_spec(cfg: CompareConfig, port: int, system: str = "pdserve") -> ServerSpec:
     # `up` prints "pdserve ready at HOST:PORT"; the lines it relays from its processes
     # start with "[role]" (the gateway's own "[gateway] READY ..." comes before the
     # workers are up), so those are skipped, and gRPC health must then say SERVING.
-    argv = pdserve_argv(port, cfg.model, cfg.bench.workload.max_model_len)
-    return ServerSpec("pdserve", argv, source_root_env(),
+    policy = "fifo" if system == "pdserve-fifo" else None
+    argv = pdserve_argv(port, cfg.model, cfg.bench.workload.max_model_len, policy)
+    return ServerSpec(system, argv, source_root_env(),
                       ready_pattern=rf"^[^\[].*\bready\b.*:{port}\b",
                       grpc_health_target=f"127.0.0.1:{port}", boot_timeout_s=cfg.boot_timeout_s)
 
@@ -106,9 +182,11 @@ def vllm_dtype() -> str:
 
 
 def vllm_spec(cfg: CompareConfig, port: int) -> ServerSpec:
+    # Block size, context length, dtype, eager mode and prefix caching as pdserve's engines.
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model",
             str(cfg.model), "--dtype", vllm_dtype(), "--block-size", "32", "--max-model-len",
-            str(cfg.bench.workload.max_model_len), "--enforce-eager", "--port", str(port), "--host", "127.0.0.1"]
+            str(cfg.bench.workload.max_model_len), "--enforce-eager", "--enable-prefix-caching",
+            "--port", str(port), "--host", "127.0.0.1"]
     env = {"VLLM_CPU_KVCACHE_SPACE": str(cfg.vllm_kv_cache_gib),
            "VLLM_CPU_OMP_THREADS_BIND": cfg.vllm_cpus}
     return ServerSpec("vllm", argv, env, health_url=f"http://127.0.0.1:{port}/health",
@@ -116,143 +194,172 @@ def vllm_spec(cfg: CompareConfig, port: int) -> ServerSpec:
 
 
 def bench_config_for(cfg: CompareConfig, system: str, address: str) -> BenchConfig:
-    if system == "pdserve":
-        return dataclasses.replace(cfg.bench, backend="grpc", target=address)
-    return dataclasses.replace(cfg.bench, backend="openai", base_url=address, model_name=None)
+    if system == "vllm":
+        return dataclasses.replace(cfg.bench, backend="openai", base_url=address,
+                                   model_name=None)
+    return dataclasses.replace(cfg.bench, backend="grpc", target=address)
 
 
-def run_system(cfg: CompareConfig, system: str) -> SystemResult:
-    """Boots (unless given an address), benchmarks and stops one system; never raises for
-    a server that fails, so the other system still runs and the failure is reported."""
-    out = SystemResult(system)
-    existing = cfg.pdserve_target if system == "pdserve" else cfg.vllm_url
+# ---------------------------------------------------------------- measuring --------------
+
+
+def rate_content_seed(seed: int, rate_rps: float) -> int:
+    """Prompt token ids per (seed, rate): every system gets the same prompts at a rate,
+    and no rate sees another's in the prefix cache."""
+    return seed * 1_000_000_007 + round(rate_rps * 1e6)
+
+
+async def unloaded_run(backend, bench: BenchConfig, num_per_class: int) -> list[RequestRecord]:
+    records: list[RequestRecord] = []
+    for i, name in enumerate(class_weights(bench.workload)):
+        log(f"unloaded run: {num_per_class} '{name}' requests, one at a time")
+        cfg = dataclasses.replace(bench, workload=single_class(bench.workload, name))
+        load = LoadConfig(concurrency=1, num_requests=num_per_class, seed=bench.seed)
+        run = await run_load(backend, cfg, load, f"unloaded-{name}-",
+                             bench.seed + CALIBRATION_SEED_OFFSET + i)
+        records.extend(run.records)
+    return records
+
+
+async def measure(backend, bench: BenchConfig, system: str, rate: float) -> RunResult:
+    load = LoadConfig(rate_rps=rate, burstiness=bench.burstiness,
+                      num_requests=bench.num_requests, seed=bench.seed)
+    run = await run_load(backend, bench, load, f"{rate:g}-", rate_content_seed(bench.seed, rate))
+    s = run.summary
+    ttft = "-" if s.ttft_s is None else f"{s.ttft_s.p50:.2f}"
+    tpot = "-" if s.tpot_s is None else f"{s.tpot_s.p50 * 1000:.0f}"
+    log(f"{system} at {rate:g} req/s: SLO attainment {s.slo_attainment:.1%}, "
+        f"TTFT p50 {ttft} s, TPOT p50 {tpot} ms, {s.duration_s:.0f} s")
+    return run
+
+
+class Budget:
+    """The time a system may still use: its share of the compare's budget."""
+
+    def __init__(self, end_s: float, num_requests: int, unloaded_e2e_s: float) -> None:
+        self.end_s, self._n, self._drain_s = end_s, num_requests, 2 * unloaded_e2e_s
+
+    def cost_s(self, rate: float) -> float:
+        return (self._n - 1) / rate + self._drain_s
+
+    def fits(self, rate: float, reserve_s: float = 0.0) -> bool:
+        return time.monotonic() + self.cost_s(rate) <= self.end_s - reserve_s
+
+    def left_s(self) -> float:
+        return self.end_s - time.monotonic()
+
+
+async def measure_system(cfg: CompareConfig, system: str, address: str, out: CompareResult,
+                         result: SystemResult, share_end_s: float) -> None:
+    bench = bench_config_for(cfg, system, address)
+    warmed = False
+    if out.calibration is None:
+        async with make_backend(bench) as backend:
+            await warm_up(backend, bench)
+            warmed = True
+            out.unloaded_records = await unloaded_run(backend, bench,
+                                                      cfg.plan.calibration_requests)
+        out.calibration = calibrate(out.unloaded_records, system, given=cfg.bench.slo)
+        out.search = cfg.plan.search_config(out.calibration, class_weights(bench.workload))
+        log_calibration(out.calibration, out.search)
+    assert out.search is not None
+    bench = dataclasses.replace(bench, slo=out.calibration.slos())
+    budget = Budget(share_end_s, bench.num_requests or 0,
+                    out.calibration.mean_e2e_s(class_weights(bench.workload)))
+    extras = extra_rates(system, out)
+    reserve_s = sum(budget.cost_s(r) for r in extras)
+    async with make_backend(bench) as backend:
+        if not warmed:
+            await warm_up(backend, bench)
+        search = RateSearch(out.search)
+        while (rate := search.next_rate()) is not None:
+            if not budget.fits(rate, reserve_s):
+                result.stopped_by_budget = True
+                log(f"{system}: {rate:g} req/s would take about {budget.cost_s(rate):.0f} s, "
+                    f"{budget.left_s() - reserve_s:.0f} s left: search stopped")
+                break
+            run = await measure(backend, bench, system, rate)
+            result.runs.append(run)
+            search.record(rate, run.summary.slo_attainment)
+        result.search = search.outcome()
+        log(f"{system} goodput: {describe_outcome(result.search)}")
+        measured = {r.load.rate_rps for r in result.runs}
+        for rate in (r for r in extras if r not in measured):
+            if budget.fits(rate):
+                result.runs.append(await measure(backend, bench, system, rate))
+            else:
+                result.skipped_rates.append(rate)
+                log(f"{system}: no time left for {rate:g} req/s (fifo's policy rate)")
+
+
+def extra_rates(system: str, out: CompareResult) -> list[float]:
+    fifo = out.systems.get("pdserve-fifo")
+    if system != "pdserve" or fifo is None:
+        return []
+    rate = policy_rate(fifo.runs)
+    return [] if rate is None else [rate]
+
+
+def describe_outcome(outcome: SearchOutcome) -> str:
+    if outcome.goodput_rps is not None:
+        lo, hi = outcome.bracket or (None, None)
+        return (f"{outcome.goodput_rps:.3g} req/s (between {lo.rate_rps:g} and {hi.rate_rps:g}"
+                f", {outcome.bisections_done} bisections)")
+    if outcome.bound_rps is None:
+        return "not measured"
+    return f"{outcome.bound_kind} {outcome.bound_rps:g} req/s ({outcome.status.value})"
+
+
+def log_calibration(calibration: Calibration, search: SearchConfig) -> None:
+    slos = calibration.slos()
+    for name, u in calibration.unloaded.items():
+        slo = slos.of(name)
+        log(f"unloaded '{name}' on {calibration.source}: TTFT p50 {u.ttft_p50_s:.3f} s, TPOT p50 "
+            f"{u.tpot_p50_s * 1000:.1f} ms, E2E p50 {u.e2e_p50_s:.2f} s -> SLO TTFT "
+            f"{slo.ttft_s:.3f} s, TPOT {slo.tpot_s * 1000:.1f} ms")
+    log(f"search: start {search.start_rps:g} req/s, floor {search.floor_rps:g}, factor "
+        f"{search.factor:g}, {search.bisections} bisections, ceiling {search.ceiling_rps:g}")
+
+
+# ---------------------------------------------------------------- the compare ------------
+
+
+def run_system(cfg: CompareConfig, system: str, out: CompareResult,
+               share_end_s: float) -> SystemResult:
+    """Boots (unless given an address), measures and stops one system; never raises for a
+    server that fails, so the next system still runs and the failure is reported."""
+    result = SystemResult(system)
+    existing = cfg.vllm_url if system == "vllm" else cfg.pdserve_target
     try:
         if existing is not None:
-            out.result = asyncio.run(run_bench(bench_config_for(cfg, system, existing)))
-            return out
+            asyncio.run(measure_system(cfg, system, existing, out, result, share_end_s))
+            return result
         port = free_port()
-        spec = pdserve_spec(cfg, port) if system == "pdserve" else vllm_spec(cfg, port)
-        out.command, out.env = spec.argv, spec.env
-        address = f"127.0.0.1:{port}" if system == "pdserve" else f"http://127.0.0.1:{port}"
-        print(f"[bench] starting {system}: {' '.join(spec.argv)}", file=sys.stderr)
+        spec = vllm_spec(cfg, port) if system == "vllm" else pdserve_spec(cfg, port, system)
+        result.command, result.env = spec.argv, spec.env
+        address = f"http://127.0.0.1:{port}" if system == "vllm" else f"127.0.0.1:{port}"
+        log(f"starting {system}: {' '.join(spec.argv)}")
         with ServerProcess(spec, cfg.log_dir / f"{system}.log") as server:
-            out.boot_s = server.boot_s
-            print(f"[bench] {system} ready in {server.boot_s:.0f} s", file=sys.stderr)
-            out.result = asyncio.run(run_bench(bench_config_for(cfg, system, address)))
-    except (ServerError, OSError) as e:
-        out.error = str(e)
-        print(f"[bench] {system} failed: {e}", file=sys.stderr)
+            result.boot_s = server.boot_s
+            log(f"{system} ready in {server.boot_s:.0f} s")
+            asyncio.run(measure_system(cfg, system, address, out, result, share_end_s))
+    except (ServerError, OSError, CalibrationError) as e:
+        result.error = str(e)
+        log(f"{system} failed: {e}")
+    return result
+
+
+def run_compare(cfg: CompareConfig) -> CompareResult:
+    out = CompareResult()
+    started = time.monotonic()
+    deadline = started + cfg.plan.budget_s
+    order = cfg.run_order()
+    for k, system in enumerate(order):
+        if k and out.calibration is None:
+            out.systems[system] = SystemResult(system, error="no SLOs: the unloaded run on "
+                                               f"{order[0]} failed")
+            continue
+        share_end = time.monotonic() + (deadline - time.monotonic()) / (len(order) - k)
+        out.systems[system] = run_system(cfg, system, out, share_end)
+    out.elapsed_s = time.monotonic() - started
     return out
-
-
-def run_compare(cfg: CompareConfig) -> dict[str, SystemResult]:
-    return {system: run_system(cfg, system) for system in cfg.systems}
-
-
-# ---------------------------------------------------------------- summary ----------------
-
-
-def _stat(stats: LatencyStats | None, q: str) -> float | None:
-    return None if stats is None else getattr(stats, q)
-
-
-def sweep_entry(run: RunResult) -> dict:
-    s = run.summary
-    return {
-        "rate_rps": run.load.rate_rps,
-        "num_requests": s.num_requests,
-        "num_ok": s.num_ok,
-        "errors": s.errors,
-        "slo_attainment": s.slo_attainment,
-        "request_goodput_rps": s.request_goodput_rps,
-        "request_throughput_rps": s.request_throughput_rps,
-        "output_tok_s": s.output_tok_s,
-        "duration_s": s.duration_s,
-        **{f"{name}_{q}_s": _stat(getattr(s, f"{name}_s"), q)
-           for name in ("ttft", "tpot", "itl", "e2e") for q in ("p50", "p99")},
-    }
-
-
-def system_dict(system: SystemResult) -> dict:
-    out: dict = {"command": system.command, "env": system.env, "boot_s": system.boot_s,
-                 "error": system.error}
-    if system.result is None:
-        return out
-    sweep = [sweep_entry(r) for r in system.result.runs]
-    top = max(sweep, key=lambda entry: entry["rate_rps"])
-    lowest = min(sweep, key=lambda entry: entry["rate_rps"])
-    out.update({
-        "goodput_rps": system.result.distserve_goodput_rps(),
-        # DistServe's goodput is 0 then; the true knee lies somewhere below the lowest rate.
-        "goodput_below_lowest_rate": lowest["slo_attainment"] < DISTSERVE_TARGET,
-        "latencies_at_rate_rps": top["rate_rps"],
-        "output_tok_s": top["output_tok_s"],
-        **{k: top[k] for k in ("ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s")},
-        "sweep": sweep,
-    })
-    return out
-
-
-def ratios(pdserve: dict, vllm: dict) -> dict[str, float | None]:
-    """pdserve / vLLM per key; None where either side has no (or a zero) value.
-
-    When vLLM misses the target even at the lowest rate swept (goodput 0) and pdserve
-    does not, `goodput_rps_lower_bound` is pdserve's goodput / that lowest rate: vLLM's
-    knee is below it, so the true ratio is at least this.
-    """
-    def ratio(key: str) -> float | None:
-        a, b = pdserve.get(key), vllm.get(key)
-        return None if a is None or not b else a / b
-    out = {key: ratio(key) for key in RATIO_KEYS}
-    if vllm.get("goodput_below_lowest_rate") and pdserve.get("goodput_rps"):
-        lowest_rate = min(entry["rate_rps"] for entry in vllm["sweep"])
-        out["goodput_rps_lower_bound"] = pdserve["goodput_rps"] / lowest_rate
-    return out
-
-
-def compare_dict(cfg: CompareConfig, results: dict[str, SystemResult]) -> dict:
-    out = {name: system_dict(r) for name, r in results.items()}
-    if "pdserve" in out and "vllm" in out:
-        out["ratios"] = ratios(out["pdserve"], out["vllm"])
-    bench = cfg.bench
-    out["config"] = {
-        "model": str(cfg.model), "rates_rps": bench.rates_rps,
-        "num_requests_per_rate": bench.num_requests, "duration_s_per_rate": bench.duration_s,
-        "burstiness": bench.burstiness, "warmup": bench.warmup, "seed": bench.seed,
-        "slo": dataclasses.asdict(bench.slo), "sampling": dataclasses.asdict(bench.sampling),
-        "workload": {k: (str(v) if isinstance(v, Path) else v)
-                     for k, v in dataclasses.asdict(bench.workload).items()},
-        "goodput": "DistServe: highest rate with >= 90% of requests meeting both SLOs",
-        "latencies": "at the highest rate swept",
-        "cpu_count": os.cpu_count(),
-    }
-    return out
-
-
-def format_compare(doc: dict, results: dict[str, SystemResult]) -> str:
-    parts = []
-    for name, system in results.items():
-        if system.result is not None:
-            parts.append(f"######## {name} ########\n{format_result(system.result)}")
-        else:
-            parts.append(f"######## {name} ########\nfailed: {system.error}")
-    if "ratios" in doc:
-        rows = [f"{'metric':<14}{'pdserve':>12}{'vllm':>12}{'ratio':>10}"]
-        for key in RATIO_KEYS:
-            a, b, r = doc["pdserve"].get(key), doc["vllm"].get(key), doc["ratios"][key]
-            fmt = lambda v: "-" if v is None else f"{v:.4g}"  # noqa: E731
-            rows.append(f"{key:<14}{fmt(a):>12}{fmt(b):>12}{fmt(r):>10}")
-        bound = doc["ratios"].get("goodput_rps_lower_bound")
-        if bound is not None:
-            rows.append(f"goodput_rps ratio >= {bound:.3g}: vLLM missed the 90% target even "
-                        "at the lowest rate swept")
-        rate = max(doc["config"]["rates_rps"])
-        parts.append(f"######## pdserve / vllm (latencies and tok/s at {rate:g} req/s) "
-                     "########\n" + "\n".join(rows))
-    return "\n\n".join(parts)
-
-
-def detail_dict(results: dict[str, SystemResult]) -> dict:
-    """Each system's full result with every request's timeline (`--save-records`)."""
-    return {name: result_dict(r.result, include_records=True)
-            for name, r in results.items() if r.result is not None}

@@ -72,6 +72,30 @@ class SLO:
         # A one-token answer has no decode phase, so it cannot miss a TPOT objective.
         return self.tpot_s is None or tpot is None or tpot <= self.tpot_s
 
+    def of(self, class_name: str) -> SLO:
+        """The SLO of a class: the same for every class (see `SLOTable`)."""
+        return self
+
+
+@dataclass(slots=True, frozen=True)
+class SLOTable:
+    """SLOs per request class (``mixed``: interactive and offline have their own).
+
+    A record is judged by its class's SLO; a class not in the table by `default`.
+    """
+
+    default: SLO = field(default_factory=SLO)
+    by_class: dict[str, SLO] = field(default_factory=dict)
+
+    def of(self, class_name: str) -> SLO:
+        return self.by_class.get(class_name, self.default)
+
+    def met_by(self, record: RequestRecord) -> bool:
+        return self.of(record.class_name).met_by(record)
+
+
+Objective = SLO | SLOTable
+
 
 @dataclass(slots=True)
 class Summary:
@@ -97,7 +121,7 @@ def run_duration_s(records: Iterable[RequestRecord]) -> float:
     return max((r.done_s for r in records if r.done_s is not None), default=0.0)
 
 
-def summarize(records: Sequence[RequestRecord], duration_s: float, slo: SLO) -> Summary:
+def summarize(records: Sequence[RequestRecord], duration_s: float, slo: Objective) -> Summary:
     """Statistics of one set of records over a run of `duration_s` seconds."""
     ok = [r for r in records if r.ok]
     num_good = sum(slo.met_by(r) for r in records)
@@ -121,7 +145,7 @@ def summarize(records: Sequence[RequestRecord], duration_s: float, slo: SLO) -> 
     )
 
 
-def summarize_run(records: Sequence[RequestRecord], slo: SLO) -> Summary:
+def summarize_run(records: Sequence[RequestRecord], slo: Objective) -> Summary:
     """Overall summary plus one per request class, all over the whole run's duration."""
     duration_s = run_duration_s(records)
     overall = summarize(records, duration_s, slo)

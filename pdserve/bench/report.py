@@ -25,7 +25,8 @@ def summary_dict(summary: Summary) -> dict:
 
 
 def run_dict(run: RunResult, include_records: bool = False) -> dict:
-    out = {"load": dataclasses.asdict(run.load), "summary": summary_dict(run.summary)}
+    out = {"load": dataclasses.asdict(run.load), "summary": summary_dict(run.summary),
+           "gateway_cpu": None if run.gateway_cpu is None else dataclasses.asdict(run.gateway_cpu)}
     if include_records:
         out["records"] = [dataclasses.asdict(r) for r in run.records]
     return out
@@ -114,8 +115,19 @@ def sweep_row(run: RunResult) -> str:
             f"{stat('tpot_s', 'p50'):>8} {stat('tpot_s', 'p99'):>8}")
 
 
+def gateway_cpu_line(run: RunResult) -> str:
+    cpu = run.gateway_cpu
+    if cpu is None:
+        return ""
+    per_token = "-" if cpu.us_per_token is None else f"{cpu.us_per_token:.0f}"
+    pool = "-" if cpu.pool_cpu_s is None else f"{cpu.pool_cpu_s:.2f}"
+    return (f"\ngateway CPU: {per_token} us per output token ({cpu.gateway_cpu_s:.2f} s "
+            f"gateway, {pool} s pool, {cpu.output_tokens} tokens; {cpu.note})")
+
+
 def format_result(result: BenchResult) -> str:
-    parts = [format_summary(r.summary, r.load.describe()) for r in result.runs]
+    parts = [format_summary(r.summary, r.load.describe()) + gateway_cpu_line(r)
+             for r in result.runs]
     if result.is_sweep:
         parts.append("== sweep (latencies in ms, goodput in req/s) ==\n" + SWEEP_HEADER + "\n"
                      + "\n".join(sweep_row(r) for r in result.runs))

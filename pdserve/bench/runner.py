@@ -2,18 +2,28 @@
 
 Every rate of a sweep replays the same seeded lengths and arrival schedule, so rates
 differ in load alone; the synthetic prompts' token ids are fresh per rate (content seed =
-seed + rate index), so no rate finds the previous rate's prompts in the prefix cache. Warmup requests come from a separate
-seed and run before the measured clock starts, so changing `warmup` does not change the
-measured workload.
+seed + rate index), so no rate finds the previous rate's prompts in the prefix cache.
+Warmup requests come from a separate seed and run before the measured clock starts, so
+changing `warmup` does not change the measured workload. With `gateway_metrics`, each run
+also reads the gateway's CPU counters before and after it (`gateway_cpu`).
 """
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 
+from pdserve.bench.gateway_cpu import GatewayCpu, gateway_cpu, scrape
 from pdserve.bench.backends import Backend, GrpcBackend, OpenAIBackend, SamplingConfig
 from pdserve.bench.loadgen import LoadConfig, Progress, drive
-from pdserve.bench.metrics import SLO, Summary, SweepPoint, distserve_goodput, summarize_run
+from pdserve.bench.metrics import (
+    SLO,
+    Objective,
+    Summary,
+    SweepPoint,
+    distserve_goodput,
+    summarize_run,
+)
 from pdserve.bench.record import RequestRecord
 from pdserve.bench.workload import WorkloadConfig, build_workload, take
 
@@ -36,8 +46,11 @@ class BenchConfig:
     duration_s: float | None = None
     warmup: int = 2
     seed: int = 0
-    slo: SLO = field(default_factory=SLO)
+    # One SLO for all, or one per class (SLOTable); the gRPC backend sends each request's.
+    slo: Objective = field(default_factory=SLO)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    # HOST:PORT of pdserve's gateway metrics: report its CPU per generated token.
+    gateway_metrics: str | None = None
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -58,6 +71,7 @@ class RunResult:
     load: LoadConfig
     summary: Summary
     records: list[RequestRecord]
+    gateway_cpu: GatewayCpu | None = None
 
 
 @dataclass(slots=True)
@@ -78,7 +92,7 @@ class BenchResult:
 
 def make_backend(cfg: BenchConfig) -> Backend:
     if cfg.backend == "grpc":
-        return GrpcBackend(cfg.target, cfg.sampling)
+        return GrpcBackend(cfg.target, cfg.sampling, cfg.slo)
     return OpenAIBackend(cfg.base_url, cfg.sampling, cfg.model_name)
 
 
@@ -93,16 +107,29 @@ async def warm_up(backend: Backend, cfg: BenchConfig) -> None:
                                                  num_requests=len(specs)))
 
 
+async def run_load(backend: Backend, cfg: BenchConfig, load: LoadConfig, id_prefix: str,
+                   content_seed: int) -> RunResult:
+    """One measured run of `cfg.workload` under `load` (lengths from `cfg.seed`)."""
+    requests = build_workload(cfg.workload, cfg.seed, id_prefix=id_prefix,
+                              content_seed=content_seed)
+    before = (await asyncio.to_thread(scrape, cfg.gateway_metrics)
+              if cfg.gateway_metrics else None)
+    progress = Progress(load.num_requests, load.describe())
+    records = await drive(backend, requests, load, progress)
+    progress.close()
+    summary = summarize_run(records, cfg.slo)
+    cpu = None
+    if before is not None:
+        after = await asyncio.to_thread(scrape, cfg.gateway_metrics)
+        cpu = gateway_cpu(before, after, summary.output_tokens)
+    return RunResult(load, summary, records, cpu)
+
+
 async def run_bench(cfg: BenchConfig) -> BenchResult:
     runs = []
     async with make_backend(cfg) as backend:
         await warm_up(backend, cfg)
         for i, load in enumerate(cfg.loads()):
-            requests = build_workload(cfg.workload, cfg.seed, id_prefix=f"run{i}-",
-                                      content_seed=cfg.seed + i)
-            progress = Progress(load.num_requests, load.describe())
-            records = await drive(backend, requests, load, progress)
-            progress.close()
-            runs.append(RunResult(load, summarize_run(records, cfg.slo), records))
+            runs.append(await run_load(backend, cfg, load, f"run{i}-", cfg.seed + i))
     return BenchResult(cfg, runs)
 

@@ -92,9 +92,10 @@ def default_classes() -> list[RequestClass]:
     ]
 
 
-def parse_class_mix(text: str) -> list[RequestClass]:
-    """``interactive=0.6,batch=0.4``: reweights (and selects) the default classes."""
-    by_name = {c.name: c for c in default_classes()}
+def parse_class_mix(text: str, base: list[RequestClass] | None = None) -> list[RequestClass]:
+    """``interactive=0.6,batch=0.4``: reweights (and selects) the classes of `base`
+    (default: `default_classes()`)."""
+    by_name = {c.name: c for c in (base or default_classes())}
     classes = []
     for item in filter(None, (part.strip() for part in text.split(","))):
         name, _, weight = item.partition("=")

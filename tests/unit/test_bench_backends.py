@@ -17,9 +17,10 @@ from pdserve.bench.backends import (
     SamplingConfig,
     chunk_tokens,
     parse_sse_line,
+    slo_message,
 )
 from pdserve.bench.loadgen import LoadConfig, drive, run_clock
-from pdserve.bench.metrics import SLO
+from pdserve.bench.metrics import SLO, SLOTable
 from pdserve.bench.record import RequestRecord
 from pdserve.bench.runner import BenchConfig, run_bench
 from pdserve.bench.workload import LengthRange, RequestSpec, WorkloadConfig
@@ -103,6 +104,22 @@ def test_grpc_backend_sends_token_ids_and_sampling():
     assert request.sampling.temperature == 0.0 and request.sampling.HasField("temperature")
     assert request.sampling.ignore_eos is True
     assert request.request_id == "a"
+
+
+def test_grpc_backend_sends_class_priority_and_the_class_slo():
+    slos = SLOTable(by_class={"interactive": SLO(1.2344, 0.0655), "offline": SLO(ttft_s=13.8)})
+    backend = GrpcBackend("unused:1", SamplingConfig(), slos)
+    interactive = backend.build_request(spec(class_name="interactive", priority=0))
+    assert interactive.priority == generation_pb2.PRIORITY_INTERACTIVE
+    assert (interactive.slo.ttft_ms, interactive.slo.tpot_ms) == (1234, 66)
+    offline = backend.build_request(spec(class_name="offline", priority=2))
+    assert offline.priority == generation_pb2.PRIORITY_OFFLINE
+    assert offline.slo.ttft_ms == 13800 and not offline.slo.HasField("tpot_ms")
+    # No class and no SLO: the gateway's defaults (interactive, its default SLO) apply.
+    plain = GrpcBackend("unused:1", SamplingConfig()).build_request(spec())
+    assert plain.priority == generation_pb2.PRIORITY_UNSPECIFIED
+    assert not plain.HasField("slo")
+    assert slo_message(SLO(0.0001, None)).ttft_ms == 1  # 0 would mean "no objective"
 
 
 def test_grpc_errors_are_recorded_by_status_code_name():
@@ -287,3 +304,41 @@ def test_sse_parsing():
     assert chunk_tokens({"choices": [{"text": "hi"}]}) == (1, None)  # no token_ids: 1 token
     assert chunk_tokens({"choices": [{"text": "", "token_ids": [1, 2]}]}) == (2, None)
     assert chunk_tokens({"choices": [], "usage": {"completion_tokens": 9}}) == (0, 9)
+
+
+def test_runner_reads_gateway_cpu_before_and_after_each_run():
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    texts = iter(["process_cpu_seconds_total 10.0\n",
+                  "process_cpu_seconds_total 10.3\n"
+                  "pdserve_tokenizer_pool_cpu_seconds_total 1.0\n"])
+
+    class Metrics(BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = next(texts).encode()
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    http = ThreadingHTTPServer(("127.0.0.1", 0), Metrics)
+    threading.Thread(target=http.serve_forever, daemon=True).start()
+
+    async def body(servicer, target):
+        cfg = bench_config(target, rates_rps=[200.0], num_requests=4, warmup=0,
+                           gateway_metrics=f"127.0.0.1:{http.server_address[1]}")
+        return await run_bench(cfg)
+
+    try:
+        run = asyncio.run(with_fake_server(body)).runs[0]
+    finally:
+        http.shutdown()
+    cpu = run.gateway_cpu
+    assert cpu.output_tokens == run.summary.output_tokens > 0
+    assert cpu.gateway_cpu_s == pytest.approx(0.3)
+    # The pool counter appeared only after the run: not counted, and said so.
+    assert cpu.pool_cpu_s is None and "pool is not counted" in cpu.note
+    assert cpu.us_per_token == pytest.approx(0.3e6 / run.summary.output_tokens)

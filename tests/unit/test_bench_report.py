@@ -10,13 +10,7 @@ import time
 import pytest
 
 from pdserve.bench import cli
-from pdserve.bench.compare import (
-    CompareConfig,
-    SystemResult,
-    compare_dict,
-    detail_dict,
-    format_compare,
-)
+from pdserve.bench.compare import CompareConfig
 from pdserve.bench.loadgen import LoadConfig
 from pdserve.bench.metrics import SLO, summarize_run
 from pdserve.bench.record import Chunk, RequestRecord
@@ -67,50 +61,6 @@ def test_plots_are_written(tmp_path):
     assert all(p.read_bytes()[:4] == b"\x89PNG" for p in paths)
 
 
-def test_compare_summary_goodput_top_rate_latencies_and_ratios(tmp_path):
-    pd = bench_result({0.5: FAST, 1.0: FAST, 2.0: HALF})
-    vl = bench_result({0.5: FAST, 1.0: HALF, 2.0: HALF})
-    cfg = CompareConfig(bench=pd.config, model=tmp_path)
-    results = {"pdserve": SystemResult("pdserve", result=pd),
-               "vllm": SystemResult("vllm", result=vl)}
-    doc = json.loads(json.dumps(compare_dict(cfg, results)))
-    assert doc["pdserve"]["goodput_rps"] == pytest.approx(1.2)
-    assert doc["vllm"]["goodput_rps"] == pytest.approx(0.6)
-    assert doc["ratios"]["goodput_rps"] == pytest.approx(2.0)
-    assert doc["pdserve"]["latencies_at_rate_rps"] == 2.0
-    assert [e["slo_attainment"] for e in doc["vllm"]["sweep"]] == [1.0, 0.5, 0.5]
-    assert doc["ratios"]["ttft_p50_s"] == 1.0  # same latencies at the top rate
-    assert doc["config"]["rates_rps"] == [0.5, 1.0, 2.0]
-    assert "goodput_rps" in format_compare(doc, results)
-    assert not doc["vllm"]["goodput_below_lowest_rate"]
-    assert "goodput_rps_lower_bound" not in doc["ratios"]
-    detail = json.loads(json.dumps(detail_dict(results)))
-    assert [len(run["records"]) for run in detail["vllm"]["runs"]] == [4, 4, 4]
-
-
-def test_goodput_ratio_lower_bound_when_vllm_misses_at_the_lowest_rate(tmp_path):
-    pd = bench_result({0.5: FAST, 1.0: FAST, 2.0: HALF})
-    vl = bench_result({0.5: HALF, 1.0: HALF, 2.0: HALF})
-    cfg = CompareConfig(bench=pd.config, model=tmp_path)
-    results = {"pdserve": SystemResult("pdserve", result=pd),
-               "vllm": SystemResult("vllm", result=vl)}
-    doc = compare_dict(cfg, results)
-    assert doc["vllm"]["goodput_rps"] == 0.0 and doc["vllm"]["goodput_below_lowest_rate"]
-    assert doc["ratios"]["goodput_rps"] is None
-    assert doc["ratios"]["goodput_rps_lower_bound"] == pytest.approx(1.2 / 0.5)
-    assert "goodput_rps ratio >= 2.4" in format_compare(doc, results)
-
-
-def test_failed_system_is_reported_not_raised(tmp_path):
-    cfg = CompareConfig(bench=BenchConfig(rates_rps=[1.0]), model=tmp_path)
-    results = {"pdserve": SystemResult("pdserve", error="exited with 1"),
-               "vllm": SystemResult("vllm", result=bench_result({1.0: FAST}))}
-    doc = compare_dict(cfg, results)
-    assert doc["pdserve"]["error"] == "exited with 1"
-    assert doc["ratios"]["goodput_rps"] is None
-    assert "failed: exited with 1" in format_compare(doc, results)
-
-
 def parse(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="pdserve")
     cli.register(parser.add_subparsers(dest="command"))
@@ -131,17 +81,27 @@ def test_cli_builds_one_config_from_flags():
                                    "30"])).num_requests is None
 
 
-def test_cli_compare_defaults_and_kv_passthrough():
-    args = parse(["bench", "compare"])
-    cfg = cli.bench_config(args)
-    assert cfg.rates_rps == [0.05, 0.15, 0.4] and cfg.num_requests == 16
-    assert cfg.slo == SLO(ttft_s=2.0, tpot_s=0.25)
-    assert (cfg.workload.input_len, cfg.workload.output_len) == (LengthRange(16, 64),
-                                                                 LengthRange(16, 64))
-    issue_mix = cli.bench_config(parse(["bench", "compare", "--input-len-range", "64:1536",
-                                        "--rates", "1,0.5", "--num-requests", "48"]))
-    assert issue_mix.workload.input_len == LengthRange(64, 1536)
-    assert issue_mix.rates_rps == [0.5, 1.0] and issue_mix.num_requests == 48
+def test_cli_run_presets_expand_and_explicit_lengths_override():
+    long = cli.bench_config(parse(["bench", "run", "--workload", "long", "--rate", "0.1"]))
+    assert long.workload.kind == "random"
+    assert (long.workload.input_len, long.workload.output_len) == (LengthRange(512, 2048),
+                                                                   LengthRange(32, 128))
+    shorter = cli.bench_config(parse(["bench", "run", "--workload", "long", "--rate", "0.1",
+                                      "--input-len-range", "512:1024"]))
+    assert shorter.workload.input_len == LengthRange(512, 1024)
+    mixed = cli.bench_config(parse(["bench", "run", "--workload", "mixed", "--rate", "0.1",
+                                    "--class-mix", "interactive=0.5,offline=0.5",
+                                    "--gateway-metrics", "127.0.0.1:9400"]))
+    assert [(c.name, c.weight, c.input_len) for c in mixed.workload.classes] == [
+        ("interactive", 0.5, LengthRange(32, 256)), ("offline", 0.5, LengthRange(512, 2048))]
+    assert mixed.gateway_metrics == "127.0.0.1:9400"
+    plain = cli.bench_config(parse(["bench", "run", "--rate", "1"]))
+    assert (plain.workload.input_len, plain.workload.output_len) == (LengthRange(64, 1536),
+                                                                     LengthRange(32, 256))
+    assert plain.gateway_metrics is None
+
+
+def test_cli_kv_passthrough():
     kv = parse(["bench", "kv", "--size", "4", "--help"])
     assert kv.func is cli.cmd_kv and kv.kv_args == ["--size", "4", "--help"]
 
@@ -222,3 +182,31 @@ def test_both_systems_get_the_same_model_and_context_length(tmp_path):
     for spec in (pdserve_spec(cfg, 5005), vllm_spec(cfg, 5006)):
         assert flag(spec.argv, "--model") == str(tmp_path)
         assert flag(spec.argv, "--max-model-len") == "2048"
+    vllm = vllm_spec(cfg, 5006).argv
+    assert flag(vllm, "--block-size") == "32" and "--enable-prefix-caching" in vllm
+
+
+def test_only_pdserve_fifo_passes_a_policy(tmp_path):
+    from pdserve.bench.compare import pdserve_spec
+
+    cfg = CompareConfig(bench=BenchConfig(rates_rps=[1.0]), model=tmp_path)
+    assert "--policy" not in pdserve_spec(cfg, 5005).argv  # the default, slo
+    fifo = pdserve_spec(cfg, 5005, "pdserve-fifo")
+    assert fifo.argv[-2:] == ["--policy", "fifo"] and fifo.name == "pdserve-fifo"
+
+
+def test_json_has_ttft_p90_per_class_and_gateway_cpu():
+    from pdserve.bench.gateway_cpu import GatewayCpu
+
+    records = [record(0, 0.5, 0.1), record(1, 2.0, 0.1)]
+    records[1].class_name = "offline"
+    run = RunResult(LoadConfig(rate_rps=1.0, num_requests=2),
+                    summarize_run(records, SLO(1.0, 0.5)), records,
+                    GatewayCpu(0.3, 0.1, 4000, 100.0, "gateway process + tokenizer pool"))
+    doc = json.loads(json.dumps(result_dict(BenchResult(BenchConfig(rates_rps=[1.0]), [run]))))
+    by_class = doc["runs"][0]["summary"]["by_class"]
+    assert (by_class["default"]["ttft_s"]["p90"], by_class["offline"]["ttft_s"]["p90"]) == \
+        (0.5, 2.0)
+    assert doc["runs"][0]["gateway_cpu"]["us_per_token"] == 100.0
+    assert "gateway CPU: 100 us per output token (0.30 s gateway, 0.10 s pool" in \
+        format_result(BenchResult(BenchConfig(rates_rps=[1.0]), [run]))

@@ -128,3 +128,28 @@ def test_burstiness_changes_spread_not_mean():
     assert arrival_offsets_s(2.0, float("inf"), 0, 4) == [0.0, 0.5, 1.0, 1.5]
     with pytest.raises(ValueError):
         arrival_offsets_s(0.0, 1.0, 0, 3)
+
+
+def test_presets_are_the_issues_workloads():
+    from pdserve.bench.presets import class_weights, preset_workload, single_class
+
+    short, long = preset_workload("short"), preset_workload("long", max_model_len=8192)
+    assert (short.kind, short.input_len, short.output_len) == ("random", LengthRange(16, 64),
+                                                               LengthRange(16, 64))
+    assert (long.input_len, long.output_len, long.max_model_len) == (
+        LengthRange(512, 2048), LengthRange(32, 128), 8192)
+    mixed = preset_workload("mixed")
+    assert class_weights(mixed) == {"interactive": 0.75, "offline": 0.25}
+    assert class_weights(short) == {"default": 1.0}
+    requests = take(build_workload(mixed, seed=0), 400)
+    interactive = [r for r in requests if r.class_name == "interactive"]
+    offline = [r for r in requests if r.class_name == "offline"]
+    assert 0.7 < len(interactive) / 400 < 0.8
+    assert {r.priority for r in interactive} == {0} and {r.priority for r in offline} == {2}
+    assert all(32 <= r.prompt_len <= 256 and 16 <= r.output_len <= 64 for r in interactive)
+    assert all(512 <= r.prompt_len <= 2048 and 32 <= r.output_len <= 128 for r in offline)
+    alone = take(build_workload(single_class(mixed, "offline"), seed=0), 20)
+    assert {r.class_name for r in alone} == {"offline"}
+    assert single_class(short, "default") is short
+    with pytest.raises(ValueError, match="want one of short, long, mixed"):
+        preset_workload("huge")

@@ -1,0 +1,265 @@
+"""compare's pure parts: search plan, budget, extra rates, JSON, table, and its CLI."""
+
+import argparse
+import json
+import time
+
+import pytest
+
+from pdserve.bench import cli
+from pdserve.bench.calibration import Calibration, Unloaded
+from pdserve.bench.compare import (
+    Budget,
+    CompareConfig,
+    CompareResult,
+    SearchPlan,
+    SystemResult,
+    extra_rates,
+    rate_content_seed,
+)
+from pdserve.bench.compare_report import compare_dict, detail_dict, format_compare, policy_rate
+from pdserve.bench.loadgen import LoadConfig
+from pdserve.bench.metrics import SLO, SLOTable, summarize_run
+from pdserve.bench.presets import preset_workload
+from pdserve.bench.record import Chunk, RequestRecord
+from pdserve.bench.runner import BenchConfig, RunResult
+from pdserve.bench.search import RateSearch, SearchConfig
+
+SLOS = SLOTable(by_class={"interactive": SLO(1.0, 0.1), "offline": SLO(10.0, 0.1)})
+
+
+def record(i: int, ttft_s: float, cls: str = "default") -> RequestRecord:
+    send = float(i)
+    chunks = [Chunk(send + ttft_s + 0.05 * k, 1) for k in range(3)]
+    return RequestRecord(f"r{i}", cls, 0, 10, 3, send, chunks, done_s=chunks[-1].time_s,
+                         output_tokens=3)
+
+
+def run_at(rate: float, ttfts: list[float], cls: str = "default",
+           offline: int = 0) -> RunResult:
+    """Requests of `cls` with these TTFTs, plus `offline` offline ones that meet theirs."""
+    records = [record(i, t, cls) for i, t in enumerate(ttfts)]
+    records += [record(100 + i, 2.0, "offline") for i in range(offline)]
+    slo = SLOS if offline else SLO(1.0, 0.1)
+    return RunResult(LoadConfig(rate_rps=rate, num_requests=len(records)),
+                     summarize_run(records, slo), records)
+
+
+MET = [0.5] * 10
+HALF = [0.5] * 5 + [3.0] * 5
+
+
+def searched(name: str, runs: list[RunResult], cfg: SearchConfig) -> SystemResult:
+    """A system whose search visited `runs` in order."""
+    search = RateSearch(cfg)
+    for run in runs:
+        search.record(run.load.rate_rps, run.summary.slo_attainment)
+    return SystemResult(name, runs=runs, search=search.outcome())
+
+
+def calibration(classes=("default",)) -> Calibration:
+    return Calibration("vllm", {c: Unloaded(8, 0.3, 0.04, 2.0) for c in classes})
+
+
+def compare_cfg(tmp_path, workload="short") -> CompareConfig:
+    bench = BenchConfig(concurrency=1, num_requests=10, workload=preset_workload(workload))
+    return CompareConfig(bench=bench, model=tmp_path, workload_name=workload)
+
+
+def test_vllm_below_the_floor_gives_a_labelled_lower_bound(tmp_path):
+    search = SearchConfig(start_rps=0.5, floor_rps=0.25)
+    result = CompareResult(calibration=calibration(), search=search, elapsed_s=100.0)
+    result.systems["vllm"] = searched("vllm", [run_at(0.5, HALF), run_at(0.25, HALF)], search)
+    result.systems["pdserve"] = searched(
+        "pdserve", [run_at(0.5, MET), run_at(1.0, HALF), run_at(0.707, MET),
+                    run_at(0.841, HALF)], search)
+    doc = json.loads(json.dumps(compare_dict(compare_cfg(tmp_path), result)))
+    assert doc["vllm"]["goodput"]["status"] == "below_floor"
+    assert (doc["vllm"]["goodput"]["bound_kind"], doc["vllm"]["goodput"]["bound_rps"]) == \
+        ("<", 0.25)
+    pd = doc["pdserve"]["goodput"]
+    assert pd["status"] == "found" and pd["rates_in_order"] == [0.5, 1.0, 0.707, 0.841]
+    # 0.707 + (1 - 0.9) / (1 - 0.5) * (0.841 - 0.707)
+    assert pd["goodput_rps"] == pytest.approx(0.707 + 0.2 * 0.134)
+    r = doc["ratios"]
+    assert r["goodput_rps"] is None and r["goodput_rps_upper_bound"] is None
+    assert r["goodput_rps_lower_bound"] == pytest.approx((0.707 + 0.2 * 0.134) / 0.25)
+    assert "vllm below_floor (< 0.25 req/s)" in r["goodput_note"]
+    assert r["at_rate_rps"] == 0.5 and r["ttft_p50_s"] == pytest.approx(0.5 / 1.75)
+    assert doc["slo"]["derived_from"] == "vllm"
+    assert doc["slo"]["unloaded_p50"]["default"]["ttft_p50_s"] == 0.3
+    assert doc["slo"]["by_class"]["default"]["ttft_s"] == pytest.approx(0.9)
+    assert doc["config"]["search"]["floor_rps"] == 0.25
+    assert doc["config"]["search"]["ceiling_rps"] == 16.0
+    assert doc["config"]["workload_name"] == "short"
+    table = format_compare(doc)
+    assert "goodput ratio pdserve / vllm: >= 2.94 (bounds only: pdserve 0.734 req/s" in table
+    assert "goodput: < 0.25 req/s (below_floor)" in table
+    assert "SLOs: ttft and tpot from vllm's unloaded p50" in table
+
+
+def test_both_found_gives_a_value(tmp_path):
+    search = SearchConfig(start_rps=0.5, floor_rps=0.25, bisections=0)
+    result = CompareResult(calibration=calibration(), search=search)
+    result.systems["vllm"] = searched("vllm", [run_at(0.5, MET), run_at(1.0, HALF)], search)
+    result.systems["pdserve"] = searched(
+        "pdserve", [run_at(0.5, MET), run_at(1.0, MET), run_at(2.0, HALF)], search)
+    doc = compare_dict(compare_cfg(tmp_path), result)
+    assert doc["vllm"]["goodput"]["goodput_rps"] == pytest.approx(0.6)
+    assert doc["ratios"]["goodput_rps"] == pytest.approx(1.2 / 0.6)
+    assert doc["ratios"]["goodput_rps_lower_bound"] is None
+    assert doc["ratios"]["at_rate_rps"] == 1.0  # the highest rate both measured
+    assert "goodput ratio pdserve / vllm: 2" in format_compare(doc)
+
+
+def test_failed_system_is_reported_not_raised(tmp_path):
+    search = SearchConfig(start_rps=0.5, floor_rps=0.25)
+    result = CompareResult(calibration=calibration(), search=search)
+    result.systems["vllm"] = searched("vllm", [run_at(0.5, MET)], search)
+    result.systems["pdserve"] = SystemResult("pdserve", error="exited with 1")
+    doc = compare_dict(compare_cfg(tmp_path), result)
+    assert doc["pdserve"]["error"] == "exited with 1" and doc["pdserve"]["goodput"] is None
+    assert doc["ratios"]["goodput_rps"] is None and doc["ratios"]["at_rate_rps"] is None
+    assert "failed: exited with 1" in format_compare(doc)
+
+
+def test_mixed_policy_compares_interactive_at_fifos_first_failing_rate(tmp_path):
+    search = SearchConfig(start_rps=0.2, floor_rps=0.1, bisections=0)
+    fifo_runs = [run_at(0.2, MET, "interactive", offline=2),
+                 run_at(0.4, HALF, "interactive", offline=2)]
+    assert policy_rate(fifo_runs) == 0.4
+    result = CompareResult(calibration=calibration(("interactive", "offline")), search=search)
+    result.systems["vllm"] = searched("vllm", [run_at(0.2, HALF, "interactive", 2)], search)
+    result.systems["pdserve-fifo"] = searched("pdserve-fifo", fifo_runs, search)
+    assert extra_rates("pdserve", result) == [0.4]
+    assert extra_rates("pdserve-fifo", result) == [] and extra_rates("vllm", result) == []
+    slo_runs = [run_at(0.2, MET, "interactive", 2), run_at(0.4, [0.5] * 9 + [3.0],
+                                                           "interactive", 2)]
+    result.systems["pdserve"] = searched("pdserve", slo_runs, search)
+    doc = json.loads(json.dumps(compare_dict(compare_cfg(tmp_path, "mixed"), result)))
+    p = doc["policy"]
+    assert p["rate_rps"] == 0.4
+    assert (p["fifo_attainment"], p["slo_attainment"]) == (0.5, 0.9)
+    assert p["slo_minus_fifo_points"] == pytest.approx(40.0)
+    assert p["slo_ttft_p90_s"] == pytest.approx(0.75)  # 0.5 x 9, 3.0: p90 at rank 8.1
+    assert p["slo_ttft_p90_over_unloaded_p50"] == pytest.approx(0.75 / 0.3)
+    by_class = doc["pdserve-fifo"]["measurements"][1]["by_class"]
+    assert by_class["interactive"]["slo_attainment"] == 0.5
+    assert by_class["interactive"]["ttft_p90_s"] == pytest.approx(3.0)
+    assert by_class["offline"]["num_requests"] == 2
+    assert "policy (interactive at 0.4 req/s): slo 90.0% vs fifo 50.0% (+40.0 points)" in \
+        format_compare(doc)
+    detail = detail_dict(result)
+    assert [len(x["records"]) for x in detail["pdserve-fifo"]] == [12, 12]
+
+
+def test_plan_derives_start_from_unloaded_e2e_and_floor_one_step_below():
+    c = Calibration("vllm", {"interactive": Unloaded(8, 0.3, 0.04, 2.0),
+                             "offline": Unloaded(8, 4.0, 0.05, 8.0)})
+    cfg = SearchPlan().search_config(c, {"interactive": 0.75, "offline": 0.25})
+    assert (cfg.start_rps, cfg.floor_rps, cfg.factor) == (0.286, 0.143, 2.0)  # 1 / 3.5 s
+    given = SearchPlan(start_rps=1.0, floor_rps=0.1).search_config(c, {"interactive": 1.0})
+    assert (given.start_rps, given.floor_rps) == (1.0, 0.1)
+    floor_above = SearchPlan(floor_rps=1.0).search_config(c, {"interactive": 1.0})
+    assert (floor_above.start_rps, floor_above.floor_rps) == (1.0, 1.0)
+
+
+def test_budget_estimates_a_rate_from_its_arrivals_and_drain():
+    budget = Budget(time.monotonic() + 100.0, num_requests=41, unloaded_e2e_s=5.0)
+    assert budget.cost_s(0.5) == pytest.approx(80.0 + 10.0)
+    assert budget.fits(0.5) and not budget.fits(0.5, reserve_s=20.0)
+    assert not budget.fits(0.4)  # 100 + 10 s
+
+
+def test_every_system_gets_the_same_prompts_at_a_rate():
+    assert rate_content_seed(0, 0.25) == rate_content_seed(0, 0.25)
+    assert len({rate_content_seed(0, r) for r in (0.25, 0.251, 0.5)}
+               | {rate_content_seed(1, 0.25)}) == 4
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="pdserve")
+    cli.register(parser.add_subparsers(dest="command"))
+    return parser.parse_args(argv)
+
+
+def test_cli_compare_without_flags_is_the_short_preset(tmp_path):
+    cfg = cli.compare_config(parse(["bench", "compare"]), tmp_path)
+    assert cfg.workload_name == "short" and cfg.systems == ("vllm", "pdserve")
+    assert cfg.bench.workload == preset_workload("short")
+    assert cfg.bench.num_requests == 40 and cfg.bench.slo == SLO()
+    assert cfg.plan == SearchPlan(budget_s=38 * 60.0)
+
+
+def test_cli_compare_mixed_runs_three_systems_fifo_before_slo(tmp_path):
+    cfg = cli.compare_config(parse(["bench", "compare", "--workload", "mixed"]), tmp_path)
+    assert cfg.run_order() == ("vllm", "pdserve-fifo", "pdserve")
+    assert [c.name for c in cfg.bench.workload.classes] == ["interactive", "offline"]
+    picked = cli.compare_config(parse(
+        ["bench", "compare", "--workload", "long", "--systems", "pdserve,vllm",
+         "--num-requests", "4", "--start-rate", "0.5", "--floor-rate", "0.2",
+         "--bisections", "1", "--budget-min", "10", "--slo-ttft-s", "2"]), tmp_path)
+    assert picked.run_order() == ("vllm", "pdserve")
+    assert picked.plan == SearchPlan(0.5, 0.2, 2.0, 1, 5, 600.0, 8)
+    assert picked.bench.slo == SLO(ttft_s=2.0)
+    assert picked.bench.workload.input_len.high == 2048
+    with pytest.raises(ValueError, match="systems"):
+        cli.compare_config(parse(["bench", "compare", "--systems", "sglang"]), tmp_path)
+    with pytest.raises(SystemExit):
+        parse(["bench", "compare", "--rates", "1,2"])  # the search chooses the rates
+
+
+def test_run_compare_against_a_fake_pdserve_calibrates_searches_and_sends_slos(tmp_path):
+    """The whole driver on an in-process gRPC fake that never slows down: the unloaded run
+    sets the SLOs and start rate, the search climbs to its ceiling, every request carries
+    its class priority and SLO."""
+    from concurrent import futures
+
+    import grpc
+
+    from pdserve.bench.compare import run_compare
+    from pdserve.bench.workload import LengthRange, WorkloadConfig
+    from protos import generation_pb2, generation_pb2_grpc
+
+    received = []
+
+    class Fake(generation_pb2_grpc.GenerationServicer):
+        def Generate(self, request, context):
+            received.append(request)
+            time.sleep(0.02)
+            for i in range(request.sampling.max_tokens):
+                time.sleep(0.002)
+                yield generation_pb2.GenerateResponse(request_id=request.request_id,
+                                                      token_ids=[1000 + i])
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
+    generation_pb2_grpc.add_GenerationServicer_to_server(Fake(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    workload = WorkloadConfig(input_len=LengthRange(4, 8), output_len=LengthRange(3, 3))
+    # Given SLOs far above the fake's latencies: timing jitter cannot make a rate miss.
+    bench = BenchConfig(concurrency=1, num_requests=3, warmup=1, workload=workload,
+                        slo=SLO(10.0, 1.0))
+    cfg = CompareConfig(bench=bench, model=tmp_path, systems=("pdserve",),
+                        pdserve_target=f"127.0.0.1:{port}",
+                        plan=SearchPlan(max_up_steps=1, calibration_requests=2, budget_s=60))
+    try:
+        result = run_compare(cfg)
+    finally:
+        server.stop(None)
+    system = result.systems["pdserve"]
+    assert system.error is None and result.calibration.source == "pdserve"
+    start = result.search.start_rps
+    e2e = result.calibration.unloaded["default"].e2e_p50_s
+    assert start == pytest.approx(1 / e2e, rel=0.01) and result.search.floor_rps == \
+        pytest.approx(start / 2, rel=0.01)
+    assert [r.load.rate_rps for r in system.runs] == [start, pytest.approx(2 * start, rel=0.01)]
+    assert system.search.status.value == "above_ceiling"
+    # warmup 1, unloaded 2, then 3 per rate.
+    assert len(received) == 1 + 2 + 3 + 3
+    assert result.calibration.slos().default == SLO(10.0, 1.0)
+    measured = received[3:]
+    assert {(r.slo.ttft_ms, r.slo.tpot_ms) for r in measured} == {(10000, 1000)}
+    # Given SLOs are known before the unloaded run, so its requests carry them too.
+    assert {(r.slo.ttft_ms, r.slo.tpot_ms) for r in received[:3]} == {(10000, 1000)}
+    assert {r.priority for r in measured} == {generation_pb2.PRIORITY_UNSPECIFIED}

@@ -153,6 +153,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="shared: both engines on every core, the prefill engine at idle CPU priority so "
                         "decode steps come first and prefill takes every idle cycle; split: half the "
                         "cores each (docs/benchmarks.md measures both)")
+    p.add_argument("--prefill-sched", choices=("idle", "normal"), default="idle",
+                   help="with --cores shared: the prefill engine's CPU priority (normal: the two engines' "
+                        "threads compete for the cores as equals)")
     p.add_argument("--json-logs", action="store_true")
     _policy_args(p)
     p.set_defaults(func=cmd_up)

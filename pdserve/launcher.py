@@ -183,7 +183,7 @@ def build_stack(args) -> Stack:
     children = [
         Child("prefill", [*py, "prefill", "--port", str(prefill_port), *common, *metrics(1),
                           *(["--cpus", prefill_cpus] if prefill_cpus else []),
-                          *(["--sched", "idle"] if args.cores == "shared" else [])]),
+                          *(["--sched", args.prefill_sched] if args.cores == "shared" else [])]),
         Child("decode", [*py, "decode", "--port", str(decode_port), *common, *metrics(2),
                          *(["--cpus", decode_cpus] if decode_cpus else [])]),
         Child("gateway", [*py, "gateway", "--host", args.host, "--port", str(args.port), "--model", args.model,

@@ -8,6 +8,7 @@
 # Candidates: `split` (half the cores each, today's old default), `shared` (both engines on
 # every core, prefill at idle CPU priority: the default) and `shared-normal` (both on every
 # core at normal priority: what OpenMP threads do when another engine takes their core).
+# CANDIDATES="shared split" picks some.
 # SLOs: --slo-ttft-s/--slo-tpot-s from the environment (SLO_TTFT_S, SLO_TPOT_S), default
 # 15 s / 0.075 s. Writes OUT_DIR/<candidate>.json (`pdserve bench run --json`).
 set -euo pipefail
@@ -32,13 +33,14 @@ run_candidate() {  # name, extra `pdserve up` flags...
   trap - EXIT
 }
 
-run_candidate shared --cores shared
-run_candidate split --cores split
-if [ -n "${WITH_SHARED_NORMAL:-}" ]; then
-  # Both engines on every core at normal priority: `pdserve up` has no such mode, so the
-  # workers are started by hand through the same flags `up` passes.
-  echo "[cores] shared-normal is not wired into pdserve up; skipped" >&2
-fi
+for candidate in ${CANDIDATES:-shared split shared-normal}; do
+  case $candidate in
+    shared) run_candidate shared --cores shared ;;
+    split) run_candidate split --cores split ;;
+    shared-normal) run_candidate shared-normal --cores shared --prefill-sched normal ;;
+    *) echo "[cores] unknown candidate $candidate" >&2; exit 2 ;;
+  esac
+done
 $py - "$out" <<'PY'
 import json, sys, pathlib
 out = pathlib.Path(sys.argv[1])

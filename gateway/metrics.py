@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Gauge, Histogram
+from collections.abc import Callable
+
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
 
@@ -30,3 +33,36 @@ KV_HANDOFF_TOKENS = Counter(
     "pdserve_kv_handoff_tokens",
     "Prompt tokens whose KV the decode tier received from the prefill tier instead of computing.",
 )
+
+
+class CpuSecondsCollector:
+    """A counter of CPU seconds read at scrape time from ``read`` (e.g. TokenizerPool.cpu_seconds).
+
+    The gateway process's own CPU is prometheus_client's process_cpu_seconds_total; this adds
+    what it spends in other processes, so the two sum to the gateway's whole cost.
+    """
+
+    def __init__(self, name: str, documentation: str, read: Callable[[], float]) -> None:
+        self._name = name
+        self._documentation = documentation
+        self._read = read
+
+    def describe(self) -> list[CounterMetricFamily]:
+        # Without describe() the registry would call collect() at registration.
+        return [CounterMetricFamily(self._name, self._documentation)]
+
+    def collect(self) -> list[CounterMetricFamily]:
+        return [CounterMetricFamily(self._name, self._documentation, value=self._read())]
+
+
+def register_tokenizer_pool_cpu(
+    read: Callable[[], float], registry: CollectorRegistry = REGISTRY
+) -> CpuSecondsCollector:
+    """Exports pdserve_tokenizer_pool_cpu_seconds_total; unregister the result to stop."""
+    collector = CpuSecondsCollector(
+        "pdserve_tokenizer_pool_cpu_seconds",
+        "User + system CPU seconds of the gateway's tokenizer pool processes, exited ones included.",
+        read,
+    )
+    registry.register(collector)
+    return collector

@@ -12,7 +12,14 @@ from gateway.metrics import register_tokenizer_pool_cpu
 from gateway.tokenizer_pool import ProcessCpu, TokenizerPool
 from pdserve.model import default_model_path
 
-BURN = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass\nprint('done', flush=True)\ntime.sleep(60)"
+BURN = """
+import time
+t = time.process_time()
+while time.process_time() - t < 0.3:
+    pass
+print("done", flush=True)
+time.sleep(60)
+"""
 
 
 def test_cpu_of_a_process_is_kept_after_it_exits():

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Gauge, Histogram
+from collections.abc import Callable
+
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
 
@@ -81,15 +84,48 @@ SLO_REQUESTS = Counter(
 )
 
 
-def observe_finished(label: str, started_s: float, first_s: float | None, done_s: float, num_generated: int,
+def observe_finished(label: str, e2e_s: float, ttft_s: float | None, num_generated: int,
                      ttft_slo_s: float | None, tpot_slo_s: float | None) -> None:
     """Per-class E2E and, for a request with objectives, whether it met them (TPOT as the
     benchmarks count it: (E2E - TTFT) / (tokens - 1))."""
-    CLASS_E2E.labels(label).observe(done_s - started_s)
+    CLASS_E2E.labels(label).observe(e2e_s)
     if ttft_slo_s is None and tpot_slo_s is None:
         return
-    ttft = (first_s if first_s is not None else done_s) - started_s
+    ttft = e2e_s if ttft_s is None else ttft_s
     met = ttft_slo_s is None or ttft <= ttft_slo_s
-    if tpot_slo_s is not None and num_generated > 1 and first_s is not None:
-        met = met and (done_s - first_s) / (num_generated - 1) <= tpot_slo_s
+    if tpot_slo_s is not None and num_generated > 1:
+        met = met and (e2e_s - ttft) / (num_generated - 1) <= tpot_slo_s
     SLO_REQUESTS.labels(label, "true" if met else "false").inc()
+
+
+class CpuSecondsCollector:
+    """A counter of CPU seconds read at scrape time from ``read`` (e.g. TokenizerPool.cpu_seconds).
+
+    The gateway process's own CPU is prometheus_client's process_cpu_seconds_total; this adds
+    what it spends in other processes, so the two sum to the gateway's whole cost.
+    """
+
+    def __init__(self, name: str, documentation: str, read: Callable[[], float]) -> None:
+        self._name = name
+        self._documentation = documentation
+        self._read = read
+
+    def describe(self) -> list[CounterMetricFamily]:
+        # Without describe() the registry would call collect() at registration.
+        return [CounterMetricFamily(self._name, self._documentation)]
+
+    def collect(self) -> list[CounterMetricFamily]:
+        return [CounterMetricFamily(self._name, self._documentation, value=self._read())]
+
+
+def register_tokenizer_pool_cpu(
+    read: Callable[[], float], registry: CollectorRegistry = REGISTRY
+) -> CpuSecondsCollector:
+    """Exports pdserve_tokenizer_pool_cpu_seconds_total; unregister the result to stop."""
+    collector = CpuSecondsCollector(
+        "pdserve_tokenizer_pool_cpu_seconds",
+        "User + system CPU seconds of the gateway's tokenizer pool processes, exited ones included.",
+        read,
+    )
+    registry.register(collector)
+    return collector

@@ -22,7 +22,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import grpc
 
@@ -31,7 +31,8 @@ from gateway.dispatch import ClassObjectives, Dispatcher
 from gateway.placement import PlacementConfig, Where
 from gateway.queue import ClassPolicy, Priority, RequestQueue, Ticket
 from gateway.request import Job, check_prompt_fits, parse_request
-from gateway.text import Detokenizer, StopMatcher, decode_delta
+from gateway.stream import ClassObserver, Stream
+from gateway.text import load_tokenizer
 from gateway.tokenizer_pool import TokenizerPool
 from gateway.workers import Seat, Worker, WorkerPool
 from pdserve import rpc
@@ -39,37 +40,22 @@ from pdserve.config import GatewayConfig
 from pdserve.logs import setup_logging
 from protos import generation_pb2, generation_pb2_grpc, worker_pb2
 
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
+
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = "pdserve.v1.Generation"
 DRAIN_GRACE_S = 10.0
 
 
-@dataclass(slots=True)
-class Stream:
-    """One call's output state: detokenizer offsets, stop strings, counts, timings."""
-
-    job: Job
-    num_prompt_tokens: int
-    detok: Detokenizer = field(default_factory=Detokenizer)
-    stop: StopMatcher = field(init=False)
-    started: float = field(default_factory=time.monotonic)
-    last_sent: float | None = None
-    first_sent: float | None = None
-    num_generated: int = 0
-    # The request's objectives (seconds; None: none), for per-class attainment.
-    ttft_slo_s: float | None = None
-    tpot_slo_s: float | None = None
-
-    def __post_init__(self) -> None:
-        self.stop = StopMatcher(self.job.sampling.stop)
-
-
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
-    def __init__(self, cfg: GatewayConfig, workers: WorkerPool, tokenizers: TokenizerPool) -> None:
+    def __init__(self, cfg: GatewayConfig, workers: WorkerPool, tokenizers: TokenizerPool,
+                 tokenizer: Tokenizer) -> None:
         self._cfg = cfg
         self._workers = workers
         self._tokenizers = tokenizers
+        self._tokenizer = tokenizer  # incremental detokenization, in this process
         self._dispatcher = build_dispatcher(cfg, workers)
         self._num_inflight = 0
         self._releases: set[asyncio.Task] = set()  # referenced until done, so none is collected
@@ -117,8 +103,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         ticket = self._ticket(job, prompt_ids, arrival_s, time_remaining_s)
         self._dispatcher.admit(ticket)
         grant = await self._dispatcher.acquire(ticket)
-        stream = Stream(job, len(prompt_ids), started=arrival_s, ttft_slo_s=ticket.ttft_slo_s,
-                        tpot_slo_s=ticket.tpot_slo_s)
+        stream = Stream(job, len(prompt_ids), self._tokenizer, started=arrival_s,
+                        observer=ClassObserver(job.priority.label, ticket.ttft_slo_s, ticket.tpot_slo_s))
         worker = self._workers.by_address(grant.placement.worker)
         if grant.placement.where is Where.LOCAL:
             assert grant.seat is not None
@@ -128,13 +114,13 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         prefill = await self._call_prefill(job, ticket, worker, prompt_ids)
         first = prefill.first_token_id
         if prefill.finish_reason or job.sampling.max_tokens == 1:
-            yield await self._reply(stream, [first], prefill.finish_reason or "length")
+            yield stream.reply([first], prefill.finish_reason or "length")
             return
-        reply = await self._reply(stream, [first], "")
+        reply = stream.reply([first], "")
         decoded = False
         try:
             yield reply
-            if stream.stop.stopped:
+            if stream.stopped:
                 return
             worker, seat = await self._dispatcher.decode_seat(ticket)
             self._dispatcher.first_token(worker, seat, 1, 0)
@@ -202,6 +188,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             # A local prefill samples the first token here too.
             sampling=job.sampling.to_engine(job.sampling.max_tokens - (0 if kv is None else 1)),
         )
+        request.sampling.stream_interval = self._cfg.stream_intervals[job.priority]
         if kv is not None:
             request.kv.CopyFrom(kv)
         call = worker.stub.Decode(request)
@@ -216,7 +203,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 else:
                     seat.num_generated += len(chunk.token_ids)
                 last_s = now
-                reply = await self._reply(stream, list(chunk.token_ids), chunk.finish_reason)
+                reply = stream.reply(list(chunk.token_ids), chunk.finish_reason)
                 if chunk.finish_reason:
                     metrics.KV_HANDOFF_TOKENS.inc(chunk.num_external_tokens)
                 yield reply
@@ -226,46 +213,6 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         finally:
             call.cancel()
             self._dispatcher.release(worker, seat)
-
-    async def _reply(self, stream: Stream, new_ids: list[int], finish_reason: str) -> generation_pb2.GenerateResponse:
-        ids, read_offset = stream.detok.window(new_ids)
-        final = bool(finish_reason)
-        prefix_text, full_text = await self._tokenizers.decode_pair(ids, read_offset)
-        delta = stream.detok.advance(decode_delta(prefix_text, full_text, final))
-        text = stream.stop.feed(delta)
-        if stream.stop.stopped:
-            finish_reason = "stop"
-        elif finish_reason:
-            text += stream.stop.flush()
-        stream.num_generated += len(new_ids)
-        reply = generation_pb2.GenerateResponse(
-            request_id=stream.job.request_id, text=text, token_ids=new_ids, finish_reason=finish_reason
-        )
-        self._observe(stream, len(new_ids))
-        if finish_reason:
-            reply.usage.prompt_tokens = stream.num_prompt_tokens
-            reply.usage.completion_tokens = stream.num_generated
-            metrics.E2E.observe(time.monotonic() - stream.started)
-            metrics.observe_finished(stream.job.priority.label, stream.started, stream.first_sent,
-                                     time.monotonic(), stream.num_generated, stream.ttft_slo_s, stream.tpot_slo_s)
-            metrics.PROMPT_TOKENS.inc(stream.num_prompt_tokens)
-            metrics.GENERATION_TOKENS.inc(stream.num_generated)
-        return reply
-
-    def _observe(self, stream: Stream, num_tokens: int) -> None:
-        now = time.monotonic()
-        label = stream.job.priority.label
-        if stream.last_sent is None:
-            metrics.TTFT.observe(now - stream.started)
-            metrics.CLASS_TTFT.labels(label).observe(now - stream.started)
-            stream.first_sent = now
-        elif num_tokens:
-            gap = (now - stream.last_sent) / num_tokens
-            class_itl = metrics.CLASS_ITL.labels(label)
-            for _ in range(num_tokens):
-                metrics.ITL.observe(gap)
-                class_itl.observe(gap)
-        stream.last_sent = now
 
     def _release(self, kv: worker_pb2.KvHandle) -> None:
         """Frees an unused handoff now rather than at lease expiry (best effort)."""
@@ -319,9 +266,10 @@ async def serve(cfg: GatewayConfig) -> None:
 
     tokenizers = TokenizerPool(cfg.model, cfg.tokenizer_workers)
     await tokenizers.start()
+    metrics.register_tokenizer_pool_cpu(tokenizers.cpu_seconds)
     workers = WorkerPool.connect(cfg.prefill_addrs, cfg.decode_addrs)
     server = grpc.aio.server(options=rpc.CHANNEL_OPTIONS)
-    generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(cfg, workers, tokenizers), server)
+    generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(cfg, workers, tokenizers, load_tokenizer(cfg.model)), server)
     health = rpc.add_standard_services(server, [SERVICE_NAME])
     port = rpc.bind(server, cfg.host, cfg.port)
     if cfg.metrics_port is not None:

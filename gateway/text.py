@@ -2,19 +2,35 @@
 
 Incremental detokenization follows vLLM's scheme: decode a short window twice, with and
 without the newest tokens, and emit the difference once it no longer ends in an incomplete
-UTF-8 sequence (U+FFFD), so a multi-byte character is never split across messages. The
-decode itself runs in the tokenizer pool; this module keeps the offsets.
+UTF-8 sequence (U+FFFD), so a multi-byte character is never split across messages; the
+last message of a stream emits whatever is left, U+FFFD included.
+
+IncrementalDecoder runs that scheme in the gateway process on the tokenizers library's
+DecodeStream, which implements the same windows in Rust and caches the shorter decode.
+Detokenizer and decode_delta are the same scheme in Python; IncrementalDecoder falls back
+to them for a stream whose decoder is not prefix-stable (DecodeStream raises there).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
+
+from tokenizers import Tokenizer
+from tokenizers.decoders import DecodeStream
 
 REPLACEMENT = "\ufffd"
 
-# (ids, read_offset) -> (prefix_text, full_text): decodes ids[:read_offset] and ids.
-DecodePair = Callable[[list[int], int], tuple[str, str]]
+
+def load_tokenizer(model: str | Path) -> Tokenizer:
+    """The model folder's fast tokenizer (tokenizer.json), for decoding in this process."""
+    path = Path(model).expanduser() / "tokenizer.json"
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"{path} is missing: the gateway detokenizes with the model's fast tokenizer; "
+            "save one with transformers' AutoTokenizer.from_pretrained(...).save_pretrained(folder)"
+        )
+    return Tokenizer.from_file(str(path))
 
 
 def decode_delta(prefix_text: str, full_text: str, final: bool) -> str | None:
@@ -43,6 +59,46 @@ class Detokenizer:
             return ""
         self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
         return delta
+
+
+class IncrementalDecoder:
+    """One stream's text, token ids in, new text out; special tokens are skipped.
+
+    DecodeStream keeps its window private, so the same window is mirrored here: the final
+    message needs it to emit a trailing incomplete character (DecodeStream only ever
+    returns None there), and the fallback needs it to carry on where DecodeStream stopped.
+    """
+
+    __slots__ = ("_tokenizer", "_stream", "_window", "_read_offset")
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self._tokenizer = tokenizer
+        self._stream: DecodeStream | None = DecodeStream(skip_special_tokens=True)
+        self._window: list[int] = []  # ids from the prefix offset on
+        self._read_offset = 0  # within _window: ids before it are already emitted
+
+    def step(self, new_ids: list[int], final: bool) -> str:
+        """The text that new_ids complete; with final, everything not yet emitted."""
+        self._window.extend(new_ids)
+        text = None
+        if self._stream is not None:
+            try:
+                text = self._stream.step(self._tokenizer, new_ids)
+            except Exception:  # noqa: BLE001 - DecodeStreamError is not exported to Python
+                # The window's text no longer starts with its prefix's: from here on decode
+                # both windows each time and slice, as the gateway always did before.
+                self._stream = None
+        if self._stream is None or (text is None and final):
+            prefix = self._decode(self._window[:self._read_offset])
+            text = decode_delta(prefix, self._decode(self._window), final)
+        if text is None:
+            return ""
+        del self._window[:self._read_offset]
+        self._read_offset = len(self._window)
+        return text
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=True)
 
 
 @dataclass(slots=True)

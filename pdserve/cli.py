@@ -42,6 +42,8 @@ def _policy_args(p: argparse.ArgumentParser) -> None:
                    help="prompt tokens a prefill worker is sent beyond the one it runs")
     g.add_argument("--local-prefill-max-tokens", type=int, default=256,
                    help="longest prompt a decode worker may prefill itself when that is sooner (0: never)")
+    g.add_argument("--stream-intervals", default="1,4,8",
+                   help="tokens gathered into one streamed message per class (fewer messages, less CPU)")
 
 
 def policy_argv(args) -> list[str]:
@@ -49,7 +51,8 @@ def policy_argv(args) -> list[str]:
     return ["--policy", args.policy, "--slo-ttft-ms", args.slo_ttft_ms, "--slo-tpot-ms", args.slo_tpot_ms,
             "--class-weights", args.class_weights, "--queue-limits", args.queue_limits,
             "--aging-s", str(args.aging_s), "--prefill-queue-tokens", str(args.prefill_queue_tokens),
-            "--local-prefill-max-tokens", str(args.local_prefill_max_tokens)]
+            "--local-prefill-max-tokens", str(args.local_prefill_max_tokens),
+            "--stream-intervals", args.stream_intervals]
 
 
 def cmd_up(args) -> int:
@@ -115,6 +118,7 @@ def cmd_gateway(args) -> int:
         aging_s=args.aging_s,
         prefill_queue_tokens=args.prefill_queue_tokens,
         local_prefill_max_tokens=args.local_prefill_max_tokens,
+        stream_intervals=per_class(args.stream_intervals, "--stream-intervals", int),
     )
     return main(cfg)
 

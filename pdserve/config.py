@@ -128,6 +128,9 @@ class GatewayConfig:
     prefill_queue_tokens: int = 1024
     # Longest prompt a decode worker may prefill itself (0: never).
     local_prefill_max_tokens: int = 256
+    # Per class: tokens a decode worker gathers into one streamed message (the first and
+    # last go at once). Fewer messages cost the gateway less CPU; interactive streams get 1.
+    stream_intervals: tuple[int, int, int] = (1, 4, 8)
 
     def __post_init__(self) -> None:
         if self.policy not in GATEWAY_POLICIES:
@@ -138,6 +141,8 @@ class GatewayConfig:
                 raise ValueError(f"{name} needs three values >= 0, got {values}")
         if len(self.class_weights) != 3 or any(w <= 0 for w in self.class_weights):
             raise ValueError(f"--class-weights needs three values > 0, got {self.class_weights}")
+        if len(self.stream_intervals) != 3 or any(n < 1 for n in self.stream_intervals):
+            raise ValueError(f"--stream-intervals needs three values >= 1, got {self.stream_intervals}")
         if any(n < 1 for n in self.queue_limits):
             raise ValueError(f"--queue-limits must be >= 1 per class, got {self.queue_limits}")
         if self.aging_s <= 0:

@@ -130,6 +130,7 @@ def sampling_params(
         ignore_eos=s.ignore_eos,
         detokenize=False,
         output_kind=RequestOutputKind.DELTA,
+        stream_interval=s.stream_interval or None,
         extra_args={"kv_transfer_params": kv_transfer_params} if kv_transfer_params else None,
     )
 

@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# Gateway CPU per generated token (gateway process + tokenizer pool) at 64 concurrent streams,
+# for two revisions of pdserve side by side (issue #8 item 6): the same `pdserve bench run`
+# (closed loop, 64 streams, 128 output tokens each) against a stack of each revision.
+#
+#   scripts/bench_gateway_cpu.sh [BEFORE_REV] [OUT_DIR]
+#   defaults:                    1c07105     bench-results/gateway-cpu
+#
+# The "before" revision runs from a temporary git worktree with this checkout's venv; the
+# benchmark client is always this checkout's. Writes OUT_DIR/{before,after}.json.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+before_rev=${1:-1c07105}; out=${2:-bench-results/gateway-cpu}
+py=$(realpath "${PYTHON:-.venv/bin/python}")
+root=$(pwd)
+mkdir -p "$out" bench-logs
+tree=$(mktemp -d /tmp/pdserve-before.XXXXXX)
+git worktree add -q --detach "$tree" "$before_rev"
+cleanup() { git worktree remove --force "$tree" 2>/dev/null || rm -rf "$tree"; }
+trap cleanup EXIT
+
+measure() {  # name, source tree
+  local name=$1 src=$2
+  local port mport
+  port=$($py -c 'from pdserve.launcher import free_port; print(free_port())')
+  mport=$($py -c 'from pdserve.launcher import free_port_block; print(free_port_block(3))')
+  echo "[gateway-cpu] $name: pdserve up from $src" >&2
+  (cd "$src" && PYTHONPATH="$src" exec $py -m pdserve.cli up --port "$port" --metrics-port "$mport") \
+      > "bench-logs/gateway-cpu-$name.log" 2>&1 &
+  local up=$!
+  for _ in $(seq 600); do grep -q '^pdserve ready' "bench-logs/gateway-cpu-$name.log" && break; sleep 1; done
+  grep -q '^pdserve ready' "bench-logs/gateway-cpu-$name.log" || { kill -TERM $up; echo "[gateway-cpu] $name did not start" >&2; exit 1; }
+  # The gateway's process tree (the gateway and its tokenizer pool), read the same way for
+  # both revisions: the "before" gateway exports no pool CPU.
+  local cpu0
+  cpu0=$(gateway_tree_cpu $up)
+  PYTHONPATH="$root" $py -m pdserve.cli bench run --target "127.0.0.1:$port" --concurrency 64 \
+      --num-requests 128 --warmup 0 --input-len-range 16:32 --output-len-range 128:128 \
+      --gateway-metrics "127.0.0.1:$mport" --json "$out/$name.json" >&2 || true
+  echo "$(gateway_tree_cpu $up) - $cpu0" | bc > "$out/$name.tree_cpu_s"
+  kill -TERM $up; wait $up || true
+}
+
+gateway_tree_cpu() {  # pid of `pdserve up` -> CPU seconds of its gateway and the gateway's children
+  $py - "$1" <<'PY'
+import sys, psutil
+up = psutil.Process(int(sys.argv[1]))
+gw = next(p for p in up.children(recursive=True) if "gateway" in p.cmdline()[3:5])
+procs = [gw, *gw.children(recursive=True)]
+print(sum(p.cpu_times().user + p.cpu_times().system for p in procs))
+PY
+}
+
+measure before "$tree"
+measure after "$root"
+$py - "$out" <<'PY'
+import json, sys, pathlib
+out = pathlib.Path(sys.argv[1])
+for name in ("before", "after"):
+    run = json.loads((out / f"{name}.json").read_text())["runs"][0]
+    tokens = run["summary"]["output_tokens"]
+    tree_s = float((out / f"{name}.tree_cpu_s").read_text())
+    print(f"{name}: {tree_s / tokens * 1e6:.0f} us of gateway+pool CPU per generated token "
+          f"({tree_s:.1f} s / {tokens} tokens, process tree); /metrics says "
+          f"{json.dumps(run.get('gateway_cpu'))}; output {run['summary']['output_tok_s']:.1f} tok/s")
+PY

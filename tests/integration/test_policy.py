@@ -49,6 +49,10 @@ def prompts(tokenizer):
     return lambda i, n: stream[10_000 + 41 * i: 10_000 + 41 * i + n]
 
 
+def queue_length(stack, priority: str) -> float:
+    return stack.metric(0, "pdserve_queue_length", f'priority="{priority}"')
+
+
 def wait_for(predicate, timeout_s: float = 60.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not predicate():
@@ -64,8 +68,10 @@ def test_interactive_request_is_dispatched_ahead_of_queued_offline_prompts(stack
     with ThreadPoolExecutor(4) as pool:
         done = [pool.submit(call, stack, offline[0])]
         wait_for(lambda: prefill_order(stack, {"order-offline-0"}))  # the engine runs it
-        done += [pool.submit(call, stack, r) for r in offline[1:]]
-        time.sleep(0.5)  # both queued in the gateway: one prompt at a time fits the budget
+        for queued, r in enumerate(offline[1:], start=1):  # one at a time: arrival order is known
+            done.append(pool.submit(call, stack, r))
+            # Queued in the gateway: the worker's budget holds one such prompt at a time.
+            wait_for(lambda n=queued: queue_length(stack, "offline") == n)
         done.append(pool.submit(call, stack, interactive))
         for f in done:
             assert f.result()[-1].finish_reason == "length"

@@ -76,6 +76,10 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 reply.num_cached_tokens = out.num_cached_tokens or 0
             yield reply
 
+    @property
+    def info(self) -> worker_pb2.WorkerInfo:
+        return self._info
+
     @rpc_errors
     async def Info(self, request, context) -> worker_pb2.WorkerInfo:
         return self._info
@@ -95,9 +99,10 @@ def handle_from_proto(msg: worker_pb2.KvHandle) -> KVHandle:
     )
 
 
-def add_servicer(server, engine, cfg: WorkerConfig) -> str:
-    worker_pb2_grpc.add_DecodeWorkerServicer_to_server(DecodeServicer(engine, cfg), server)
-    return SERVICE_NAME
+def add_servicer(server, engine, cfg: WorkerConfig) -> tuple[str, worker_pb2.WorkerInfo]:
+    servicer = DecodeServicer(engine, cfg)
+    worker_pb2_grpc.add_DecodeWorkerServicer_to_server(servicer, server)
+    return SERVICE_NAME, servicer.info
 
 
 def main(cfg: WorkerConfig) -> int:

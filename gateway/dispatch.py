@@ -168,6 +168,7 @@ class Dispatcher:
         worker = self._workers.by_address(placement.worker)
         if placement.where is Where.REMOTE:
             worker.queued_tokens += ticket.num_prompt_tokens
+            worker.num_prefills += 1
             worker.prefill_meter.start(now)
             if ticket.prompt_token_ids:
                 self._prefix_index().record(ticket.prompt_token_ids, worker.address)
@@ -217,6 +218,7 @@ class Dispatcher:
         """A remote prefill answered (or failed: num_cached_tokens None)."""
         now = self._clock()
         worker.queued_tokens -= ticket.num_prompt_tokens
+        worker.num_prefills -= 1
         if num_cached_tokens is None:
             worker.prefill_meter.cancel(now)
         else:

@@ -38,7 +38,9 @@ from gateway.workers import Seat, Worker, WorkerPool
 from pdserve import rpc
 from pdserve.config import GatewayConfig
 from pdserve.logs import setup_logging
-from protos import generation_pb2, generation_pb2_grpc, worker_pb2
+from gateway.registry import SERVICE_NAME as REGISTRY_SERVICE
+from gateway.registry import RegistryServicer
+from protos import generation_pb2, generation_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
@@ -47,6 +49,16 @@ logger = logging.getLogger(__name__)
 
 SERVICE_NAME = "pdserve.v1.Generation"
 DRAIN_GRACE_S = 10.0
+
+
+class WorkerGone(rpc.Unavailable):
+    """A worker did not answer (process gone, connection refused or reset)."""
+
+    @staticmethod
+    def wrap(worker: Worker, e: grpc.aio.AioRpcError) -> Exception:
+        if e.code() == grpc.StatusCode.UNAVAILABLE:
+            return WorkerGone(f"{worker.role} worker {worker.address} is unavailable: {e.details()}")
+        return e
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
@@ -102,16 +114,25 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         check_prompt_fits(prompt_ids, job.sampling, info.max_model_len, info.vocab_size)
         ticket = self._ticket(job, prompt_ids, arrival_s, time_remaining_s)
         self._dispatcher.admit(ticket)
-        grant = await self._dispatcher.acquire(ticket)
         stream = Stream(job, len(prompt_ids), self._tokenizer, started=arrival_s,
                         observer=ClassObserver(job.priority.label, ticket.ttft_slo_s, ticket.tpot_slo_s))
-        worker = self._workers.by_address(grant.placement.worker)
-        if grant.placement.where is Where.LOCAL:
-            assert grant.seat is not None
-            async for reply in self._decode(job, stream, ticket, worker, grant.seat, prompt_ids, None):
-                yield reply
-            return
-        prefill = await self._call_prefill(job, ticket, worker, prompt_ids)
+        for attempt in range(1, self._cfg.max_attempts + 1):
+            grant = await self._dispatcher.acquire(ticket)
+            worker = self._workers.by_address(grant.placement.worker)
+            try:
+                if grant.placement.where is Where.LOCAL:
+                    assert grant.seat is not None
+                    async for reply in self._decode(job, stream, ticket, worker, grant.seat, prompt_ids, None):
+                        yield reply
+                    return
+                prefill = await self._call_prefill(job, ticket, worker, prompt_ids)
+                break
+            except WorkerGone as e:
+                # Nothing streamed yet: the request may run elsewhere.
+                self._workers.mark_down(worker, str(e))
+                if stream.last_sent is not None or attempt == self._cfg.max_attempts:
+                    raise rpc.Unavailable(f"{e}; the request was not completed") from e
+                logger.warning("request %s: %s; retrying elsewhere (attempt %d)", job.request_id, e, attempt + 1)
         first = prefill.first_token_id
         if prefill.finish_reason or job.sampling.max_tokens == 1:
             yield stream.reply([first], prefill.finish_reason or "length")
@@ -177,6 +198,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             )
             num_cached = reply.num_cached_tokens
             return reply
+        except grpc.aio.AioRpcError as e:
+            raise WorkerGone.wrap(worker, e) from e
         finally:
             self._dispatcher.prefill_done(worker, ticket, num_cached)
 
@@ -210,6 +233,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 if reply.finish_reason:
                     return
             raise rpc.Unavailable(f"decode worker {worker.address} ended the stream without finishing")
+        except grpc.aio.AioRpcError as e:
+            raise WorkerGone.wrap(worker, e) from e
         finally:
             call.cancel()
             self._dispatcher.release(worker, seat)
@@ -230,18 +255,22 @@ async def _quiet(call) -> None:
         logger.warning("releasing a KV handle failed: %s", e.details())
 
 
-async def _poll_workers(workers: WorkerPool, health, interval_s: float) -> None:
+async def _poll_workers(workers: WorkerPool, dispatcher: Dispatcher, health, cfg: GatewayConfig) -> None:
+    """Health of the static workers, heartbeats of the registered ones; the gateway is
+    SERVING while each tier has a routable worker."""
     was_ready = None
     while True:
         await workers.poll_once()
+        workers.expire_heartbeats(time.monotonic(), cfg.heartbeat_timeout_s)
+        dispatcher.pump()  # a worker that came back may take queued work
         ready = workers.ready()
         for role in ("prefill", "decode"):
-            metrics.WORKERS_READY.labels(role).set(sum(w.routable for w in workers.tier(role)))
+            metrics.WORKERS_READY.labels(role).set(len(workers.routable(role)))
         if ready != was_ready:
             await rpc.set_serving(health, [SERVICE_NAME], ready)
             logger.info("gateway %s", "SERVING" if ready else "NOT_SERVING: waiting for workers")
             was_ready = ready
-        await asyncio.sleep(interval_s)
+        await asyncio.sleep(min(cfg.poll_interval_s, cfg.heartbeat_interval_s))
 
 
 def build_dispatcher(cfg: GatewayConfig, workers: WorkerPool) -> Dispatcher:
@@ -269,13 +298,16 @@ async def serve(cfg: GatewayConfig) -> None:
     metrics.register_tokenizer_pool_cpu(tokenizers.cpu_seconds)
     workers = WorkerPool.connect(cfg.prefill_addrs, cfg.decode_addrs)
     server = grpc.aio.server(options=rpc.CHANNEL_OPTIONS)
-    generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(cfg, workers, tokenizers, load_tokenizer(cfg.model)), server)
-    health = rpc.add_standard_services(server, [SERVICE_NAME])
+    generation = GenerationServicer(cfg, workers, tokenizers, load_tokenizer(cfg.model))
+    generation_pb2_grpc.add_GenerationServicer_to_server(generation, server)
+    worker_pb2_grpc.add_RegistryServicer_to_server(
+        RegistryServicer(workers, cfg.heartbeat_interval_s, generation.dispatcher.pump), server)
+    health = rpc.add_standard_services(server, [SERVICE_NAME, REGISTRY_SERVICE])
     port = rpc.bind(server, cfg.host, cfg.port)
     if cfg.metrics_port is not None:
         start_http_server(cfg.metrics_port, addr=cfg.host)
     await server.start()
-    poller = asyncio.create_task(_poll_workers(workers, health, cfg.poll_interval_s))
+    poller = asyncio.create_task(_poll_workers(workers, generation.dispatcher, health, cfg))
     logger.info("gateway listening on %s:%d", cfg.host, port)
     print(f"READY {cfg.host}:{port}", flush=True)
     stop = rpc.stop_event_on_signals()

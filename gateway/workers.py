@@ -1,8 +1,12 @@
 """The gateway's view of the worker tiers: who is up, what they serve, how loaded they are.
 
-Each worker is polled (gRPC health, then Info once) every poll interval. A worker is
-routable when healthy and compatible with the first worker of the other tier (same KV
-layout, transport and model limits).
+Workers come from two places: addresses given at start (``--prefill``/``--decode``,
+"static") and the registry (gateway/registry.py: workers that register and heartbeat).
+Every worker is polled (gRPC health; Info for a static one, again after it comes back,
+since a restarted worker is a new engine) every poll interval; a registered worker also
+leaves rotation when it misses heartbeats. A worker is routable when healthy, not
+draining, and compatible with the first known worker (same KV layout, a common transport,
+same model limits); a worker that cannot be is refused at registration.
 
 Load is what this gateway sent and has not seen finish: a prefill worker's unanswered
 prompt tokens and its measured prefill rate; a decode worker's seats (requests it runs,
@@ -42,6 +46,9 @@ class Seat:
         return RunningRequest(self.tpot_slo_s, self.max_tokens, self.num_generated, self.first_token_s)
 
 
+STUBS = {"prefill": worker_pb2_grpc.PrefillWorkerStub, "decode": worker_pb2_grpc.DecodeWorkerStub}
+
+
 @dataclass(eq=False)
 class Worker:
     role: str
@@ -51,7 +58,17 @@ class Worker:
     info: worker_pb2.WorkerInfo | None = None
     healthy: bool = False
     incompatible: str | None = None
-    # Prefill: prompt tokens sent and unanswered, and the rate it prefills them.
+    # "static" (an address given at start) or "registered" (the registry).
+    source: str = "static"
+    draining: bool = False
+    # Registered workers: their last heartbeat (time.monotonic()) and load, and whether
+    # `pdserve drain` asked them to leave (told in the next heartbeat reply).
+    last_heartbeat_s: float | None = None
+    reported_load: worker_pb2.WorkerLoad | None = None
+    metrics_url: str = ""
+    drain_requested: bool = False
+    # Prefill: prompts and their tokens sent and unanswered, and the rate it prefills them.
+    num_prefills: int = 0
     queued_tokens: int = 0
     prefill_meter: ServiceMeter = field(default_factory=ServiceMeter)
     # Decode: its seats, and the rates of its own prefills and of its steps.
@@ -61,11 +78,25 @@ class Worker:
 
     @property
     def routable(self) -> bool:
-        return self.healthy and self.info is not None and self.incompatible is None
+        return self.healthy and self.info is not None and self.incompatible is None and not self.draining
+
+    @property
+    def worker_id(self) -> str:
+        return self.info.worker_id if self.info is not None else ""
+
+    @property
+    def state(self) -> str:
+        if self.info is None:
+            return "starting" if self.healthy else "down"
+        if self.incompatible:
+            return "incompatible"
+        if not self.healthy:
+            return "down"
+        return "draining" if self.draining else "ready"
 
     @property
     def num_inflight(self) -> int:
-        return len(self.seats) if self.role == "decode" else int(self.queued_tokens > 0)
+        return len(self.seats) if self.role == "decode" else self.num_prefills
 
     def prefill_load(self, matched_tokens: int = 0) -> PrefillLoad:
         return PrefillLoad(self.address, self.queued_tokens, self.prefill_meter.tokens_per_s, matched_tokens)
@@ -97,14 +128,87 @@ class WorkerPool:
     @classmethod
     def connect(cls, prefill_addrs: tuple[str, ...], decode_addrs: tuple[str, ...]) -> WorkerPool:
         pool = cls()
-        for role, addrs, stub_cls in (
-            ("prefill", prefill_addrs, worker_pb2_grpc.PrefillWorkerStub),
-            ("decode", decode_addrs, worker_pb2_grpc.DecodeWorkerStub),
-        ):
+        for role, addrs in (("prefill", prefill_addrs), ("decode", decode_addrs)):
             for address in addrs:
-                channel = grpc.aio.insecure_channel(address, options=rpc.CHANNEL_OPTIONS)
-                pool.workers.append(Worker(role, address, channel, stub_cls(channel)))
+                pool.workers.append(_open(role, address))
         return pool
+
+    # ------------------------------------------------------------ registry --------------
+
+    def register(self, info: worker_pb2.WorkerInfo, address: str, metrics_url: str, now_s: float) -> Worker:
+        """Adds (or refreshes) a registered worker; raises ValueError, saying why, when it
+        cannot work with the workers already known. A new engine at a known address (a
+        restarted worker) replaces the old entry."""
+        if info.role not in STUBS:
+            raise ValueError(f"role must be prefill or decode, got {info.role!r}")
+        others = [w for w in self.workers if w.info is not None and w.address != address
+                  and w.worker_id != info.worker_id and w.incompatible is None]
+        if others:
+            problem = _incompatibility(others[0].info, info)
+            if problem:
+                raise ValueError(f"{info.role} worker {info.worker_id} at {address} cannot join: {problem}")
+        old = next((w for w in self.workers if w.address == address or w.worker_id == info.worker_id), None)
+        if old is not None and (old.address != address or old.role != info.role):
+            self.workers.remove(old)
+            old = None
+        worker = old or _open(info.role, address)
+        if old is None:
+            self.workers.append(worker)
+        if worker.worker_id != info.worker_id:
+            logger.info("%s worker %s registered at %s", info.role, info.worker_id, address)
+        worker.info, worker.source, worker.metrics_url = info, "registered", metrics_url
+        worker.healthy, worker.draining, worker.drain_requested = True, False, False
+        worker.last_heartbeat_s = now_s
+        return worker
+
+    def by_id(self, worker_id: str) -> Worker:
+        """Raises KeyError for an unknown id."""
+        found = next((w for w in self.workers if w.worker_id == worker_id), None)
+        if found is None:
+            raise KeyError(worker_id)
+        return found
+
+    def heartbeat(self, worker_id: str, load: worker_pb2.WorkerLoad, draining: bool, now_s: float) -> bool:
+        """Records a heartbeat; returns whether the worker is asked to drain."""
+        worker = self.by_id(worker_id)
+        if not worker.healthy:
+            logger.info("%s worker %s is back", worker.role, worker_id)
+        if draining and not worker.draining:
+            logger.info("%s worker %s is draining", worker.role, worker_id)
+        worker.last_heartbeat_s, worker.reported_load, worker.healthy = now_s, load, True
+        worker.draining = worker.draining or draining
+        return worker.drain_requested
+
+    def deregister(self, worker_id: str) -> Worker | None:
+        worker = next((w for w in self.workers if w.worker_id == worker_id), None)
+        if worker is not None:
+            self.workers.remove(worker)
+            asyncio.ensure_future(worker.channel.close())
+            logger.info("%s worker %s left", worker.role, worker_id)
+        return worker
+
+    def drain(self, worker_id: str) -> Worker:
+        worker = self.by_id(worker_id)
+        worker.draining = worker.drain_requested = True
+        logger.info("%s worker %s: drain requested", worker.role, worker_id)
+        return worker
+
+    def expire_heartbeats(self, now_s: float, timeout_s: float) -> list[Worker]:
+        """Registered workers silent for ``timeout_s`` leave rotation; after 10x that they
+        are forgotten (a worker that comes back registers again)."""
+        lost = []
+        for worker in list(self.workers):
+            if worker.source != "registered" or worker.last_heartbeat_s is None:
+                continue
+            silent_s = now_s - worker.last_heartbeat_s
+            if silent_s > timeout_s and worker.healthy:
+                logger.warning("%s worker %s missed heartbeats for %.1f s: out of rotation",
+                               worker.role, worker.worker_id, silent_s)
+                worker.healthy = False
+                lost.append(worker)
+            if silent_s > 10 * timeout_s:
+                self.deregister(worker.worker_id)
+        return lost
 
     def tier(self, role: str) -> list[Worker]:
         return [w for w in self.workers if w.role == role]
@@ -157,6 +261,14 @@ class WorkerPool:
 
     async def _poll(self, worker: Worker) -> None:
         healthy = await rpc.check_health(worker.channel)
+        if worker.source == "registered":
+            # Heartbeats say it is alive; a failed health check says it is gone now.
+            if not healthy and worker.healthy:
+                logger.info("%s worker %s at %s is down", worker.role, worker.worker_id, worker.address)
+                worker.healthy = False
+            return
+        if healthy and not worker.healthy:
+            worker.info = None  # a restarted worker is a new engine: ask again
         if healthy and worker.info is None:
             try:
                 worker.info = await worker.stub.Info(worker_pb2.InfoRequest(), timeout=5)
@@ -166,6 +278,12 @@ class WorkerPool:
         if healthy != worker.healthy:
             logger.info("%s worker %s is %s", worker.role, worker.address, "up" if healthy else "down")
         worker.healthy = healthy
+
+    def mark_down(self, worker: Worker, why: str) -> None:
+        """A call found the worker gone: out of rotation until health or a heartbeat says otherwise."""
+        if worker.healthy:
+            logger.warning("%s worker %s is down: %s", worker.role, worker.address, why)
+        worker.healthy = False
 
     def _check_compatibility(self) -> None:
         known = [w for w in self.workers if w.info is not None]
@@ -180,6 +298,11 @@ class WorkerPool:
 
     async def close(self) -> None:
         await asyncio.gather(*(w.channel.close() for w in self.workers))
+
+
+def _open(role: str, address: str) -> Worker:
+    channel = grpc.aio.insecure_channel(address, options=rpc.CHANNEL_OPTIONS)
+    return Worker(role, address, channel, STUBS[role](channel))
 
 
 def _incompatibility(a: worker_pb2.WorkerInfo, b: worker_pb2.WorkerInfo) -> str | None:

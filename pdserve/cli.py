@@ -86,6 +86,9 @@ def cmd_worker(args) -> int:
         kv_load_failure_policy=args.kv_load_failure_policy,
         metrics_port=args.metrics_port,
         json_logs=args.json_logs,
+        gateway=args.gateway,
+        advertise_host=args.advertise_host,
+        drain_grace_s=args.drain_grace_s,
         **({"worker_id": args.worker_id} if args.worker_id else {}),
     )
     if cfg.role == "prefill":
@@ -119,8 +122,22 @@ def cmd_gateway(args) -> int:
         prefill_queue_tokens=args.prefill_queue_tokens,
         local_prefill_max_tokens=args.local_prefill_max_tokens,
         stream_intervals=per_class(args.stream_intervals, "--stream-intervals", int),
+        heartbeat_interval_s=args.heartbeat_interval_s,
+        heartbeat_timeout_s=args.heartbeat_timeout_s,
     )
     return main(cfg)
+
+
+def cmd_workers(args) -> int:
+    from pdserve.admin import list_workers
+
+    return list_workers(args)
+
+
+def cmd_drain(args) -> int:
+    from pdserve.admin import drain_worker
+
+    return drain_worker(args)
 
 
 def cmd_generate(args) -> int:
@@ -189,6 +206,13 @@ def build_parser() -> argparse.ArgumentParser:
                        help="prefill: seconds a prompt's KV waits for its decode worker")
         p.add_argument("--kv-load-failure-policy", choices=("fail", "recompute"), default="recompute")
         p.add_argument("--metrics-port", type=int, default=None)
+        p.add_argument("--gateway", default=None, metavar="HOST:PORT",
+                       help="register with this gateway and heartbeat (joins its tier at runtime)")
+        p.add_argument("--advertise-host", default=None,
+                       help="host the gateway reaches this worker at (default: --host, or the machine's "
+                            "name when --host is 0.0.0.0)")
+        p.add_argument("--drain-grace-s", type=float, default=30.0,
+                       help="on SIGTERM or `pdserve drain`: how long in-flight requests may take to finish")
         p.add_argument("--worker-id", default=None)
         p.add_argument("--json-logs", action="store_true")
         p.set_defaults(func=cmd_worker)
@@ -197,8 +221,13 @@ def build_parser() -> argparse.ArgumentParser:
     _model_arg(p)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=50051)
-    p.add_argument("--prefill", action="append", required=True, help="prefill worker host:port (repeatable)")
-    p.add_argument("--decode", action="append", required=True, help="decode worker host:port (repeatable)")
+    p.add_argument("--prefill", action="append", default=[],
+                   help="prefill worker host:port (repeatable); more can join with `pdserve prefill --gateway`")
+    p.add_argument("--decode", action="append", default=[],
+                   help="decode worker host:port (repeatable); more can join with `pdserve decode --gateway`")
+    p.add_argument("--heartbeat-interval-s", type=float, default=1.0, help="registered workers heartbeat this often")
+    p.add_argument("--heartbeat-timeout-s", type=float, default=3.0,
+                   help="a registered worker silent this long leaves rotation")
     p.add_argument("--tokenizer-workers", type=int, default=1)
     p.add_argument("--max-inflight", type=int, default=256)
     p.add_argument("--kv-transport", default="auto", choices=("auto", "shm", "tcp", "nccl", "cuda_ipc"),
@@ -216,6 +245,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--timeout-s", type=float, default=120.0)
     p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("workers", help="list the gateway's workers: tier, address, state, load, metrics URL")
+    p.add_argument("--gateway", default="127.0.0.1:50051", metavar="HOST:PORT")
+    p.add_argument("--json", action="store_true", help="one JSON document instead of a table")
+    p.set_defaults(func=cmd_workers)
+
+    p = sub.add_parser("drain", help="stop sending work to a worker; a registered one finishes and exits")
+    p.add_argument("worker_id", help="as `pdserve workers` lists it")
+    p.add_argument("--gateway", default="127.0.0.1:50051", metavar="HOST:PORT")
+    p.set_defaults(func=cmd_drain)
 
     p = sub.add_parser("prepare-model", help="convert the default model once (idempotent)")
     p.add_argument("--force", action="store_true")

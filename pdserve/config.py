@@ -48,6 +48,13 @@ class WorkerConfig:
     metrics_port: int | None = None
     worker_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
     json_logs: bool = False
+    # The gateway to register with (host:port); None: only reachable by address.
+    gateway: str | None = None
+    # Host the gateway reaches this worker at (default: --host, or this machine's name when
+    # --host is a wildcard).
+    advertise_host: str | None = None
+    # On SIGTERM or a drain request: how long in-flight requests may take to finish.
+    drain_grace_s: float = 30.0
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -75,6 +82,8 @@ class WorkerConfig:
             )
         if not 0 <= self.port < 65536:
             raise ValueError(f"--port out of range: {self.port}")
+        if self.drain_grace_s < 0:
+            raise ValueError(f"--drain-grace-s must be >= 0, got {self.drain_grace_s}")
         if "-" in self.worker_id or "/" in self.worker_id:
             raise ValueError(f"worker id may not contain '-' or '/': {self.worker_id!r}")
 
@@ -99,8 +108,9 @@ def per_class(text: str, name: str, cast=float) -> tuple:
 @dataclass(frozen=True)
 class GatewayConfig:
     model: str
-    prefill_addrs: tuple[str, ...]
-    decode_addrs: tuple[str, ...]
+    # Workers given by address; more join through the registry (`--gateway` on a worker).
+    prefill_addrs: tuple[str, ...] = ()
+    decode_addrs: tuple[str, ...] = ()
     host: str = "127.0.0.1"
     port: int = 50051
     tokenizer_workers: int = 1
@@ -131,6 +141,11 @@ class GatewayConfig:
     # Per class: tokens a decode worker gathers into one streamed message (the first and
     # last go at once). Fewer messages cost the gateway less CPU; interactive streams get 1.
     stream_intervals: tuple[int, int, int] = (1, 4, 8)
+    # Registered workers heartbeat this often and leave rotation after this much silence.
+    heartbeat_interval_s: float = 1.0
+    heartbeat_timeout_s: float = 3.0
+    # Attempts at a request whose worker fails before its first token was streamed.
+    max_attempts: int = 3
 
     def __post_init__(self) -> None:
         if self.policy not in GATEWAY_POLICIES:
@@ -151,8 +166,12 @@ class GatewayConfig:
             raise ValueError(f"--prefill-queue-tokens must be >= 1, got {self.prefill_queue_tokens}")
         if self.local_prefill_max_tokens < 0:
             raise ValueError(f"--local-prefill-max-tokens must be >= 0, got {self.local_prefill_max_tokens}")
-        if not self.prefill_addrs or not self.decode_addrs:
-            raise ValueError("the gateway needs at least one --prefill and one --decode worker address")
+        if not 0 < self.heartbeat_interval_s < self.heartbeat_timeout_s:
+            raise ValueError(
+                f"need 0 < --heartbeat-interval-s < --heartbeat-timeout-s, got "
+                f"{self.heartbeat_interval_s} and {self.heartbeat_timeout_s}")
+        if self.max_attempts < 1:
+            raise ValueError(f"--max-attempts must be >= 1, got {self.max_attempts}")
         if self.tokenizer_workers < 1:
             raise ValueError(f"--tokenizer-workers must be >= 1, got {self.tokenizer_workers}")
         if self.max_inflight < 1:

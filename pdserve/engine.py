@@ -51,7 +51,7 @@ def set_engine_env(cfg: WorkerConfig) -> None:
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cfg.cpus
 
 
-def build_engine(cfg: WorkerConfig) -> AsyncLLM:
+def build_engine(cfg: WorkerConfig, stat_loggers: list | None = None) -> AsyncLLM:
     from vllm.config import KVTransferConfig
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
@@ -76,7 +76,7 @@ def build_engine(cfg: WorkerConfig) -> AsyncLLM:
         kv_transfer_config=kv_config,
         disable_log_stats=False,
     )
-    return AsyncLLM.from_engine_args(args)
+    return AsyncLLM.from_engine_args(args, stat_loggers=stat_loggers)
 
 
 def resolve_kv_ports(cfg: WorkerConfig) -> WorkerConfig:

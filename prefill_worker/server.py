@@ -82,6 +82,10 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             )
         return transport_class(name)
 
+    @property
+    def info(self) -> worker_pb2.WorkerInfo:
+        return self._info
+
     @rpc_errors
     async def Info(self, request, context) -> worker_pb2.WorkerInfo:
         return self._info
@@ -139,7 +143,7 @@ async def sweep_leases(cfg: WorkerConfig) -> None:
         drop_leases(cfg.worker_id)  # shutting down: the cache they name goes with this worker
 
 
-def add_servicer(server, engine, cfg: WorkerConfig) -> str:
+def add_servicer(server, engine, cfg: WorkerConfig) -> tuple[str, worker_pb2.WorkerInfo]:
     from kvtransfer.shm import has_shared_cache
 
     if "shm" in cfg.kv_transports and not has_shared_cache(cfg.worker_id):
@@ -149,8 +153,9 @@ def add_servicer(server, engine, cfg: WorkerConfig) -> str:
         if not served:
             raise RuntimeError("no KV transport left to serve: give /dev/shm room for the KV cache")
         cfg = dataclasses.replace(cfg, kv_transports=served)
-    worker_pb2_grpc.add_PrefillWorkerServicer_to_server(PrefillServicer(engine, cfg), server)
-    return SERVICE_NAME
+    servicer = PrefillServicer(engine, cfg)
+    worker_pb2_grpc.add_PrefillWorkerServicer_to_server(servicer, server)
+    return SERVICE_NAME, servicer.info
 
 
 def main(cfg: WorkerConfig) -> int:

@@ -143,3 +143,103 @@ class DecodeResponse(_message.Message):
     num_external_tokens: int
     num_cached_tokens: int
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., num_external_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
+
+class RegisterRequest(_message.Message):
+    __slots__ = ("info", "address", "metrics_url")
+    INFO_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    METRICS_URL_FIELD_NUMBER: _ClassVar[int]
+    info: WorkerInfo
+    address: str
+    metrics_url: str
+    def __init__(self, info: _Optional[_Union[WorkerInfo, _Mapping]] = ..., address: _Optional[str] = ..., metrics_url: _Optional[str] = ...) -> None: ...
+
+class RegisterResponse(_message.Message):
+    __slots__ = ("heartbeat_interval_s",)
+    HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
+    heartbeat_interval_s: float
+    def __init__(self, heartbeat_interval_s: _Optional[float] = ...) -> None: ...
+
+class WorkerLoad(_message.Message):
+    __slots__ = ("num_running", "num_waiting", "kv_usage", "num_queued_prompt_tokens")
+    NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
+    KV_USAGE_FIELD_NUMBER: _ClassVar[int]
+    NUM_QUEUED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    num_running: int
+    num_waiting: int
+    kv_usage: float
+    num_queued_prompt_tokens: int
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_usage: _Optional[float] = ..., num_queued_prompt_tokens: _Optional[int] = ...) -> None: ...
+
+class HeartbeatRequest(_message.Message):
+    __slots__ = ("worker_id", "load", "draining")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    load: WorkerLoad
+    draining: bool
+    def __init__(self, worker_id: _Optional[str] = ..., load: _Optional[_Union[WorkerLoad, _Mapping]] = ..., draining: _Optional[bool] = ...) -> None: ...
+
+class HeartbeatResponse(_message.Message):
+    __slots__ = ("drain",)
+    DRAIN_FIELD_NUMBER: _ClassVar[int]
+    drain: bool
+    def __init__(self, drain: _Optional[bool] = ...) -> None: ...
+
+class DeregisterRequest(_message.Message):
+    __slots__ = ("worker_id",)
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    def __init__(self, worker_id: _Optional[str] = ...) -> None: ...
+
+class DeregisterResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListWorkersRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class WorkerStatus(_message.Message):
+    __slots__ = ("worker_id", "role", "address", "state", "reason", "source", "load", "num_inflight", "metrics_url", "heartbeat_age_s")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
+    NUM_INFLIGHT_FIELD_NUMBER: _ClassVar[int]
+    METRICS_URL_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_AGE_S_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    role: str
+    address: str
+    state: str
+    reason: str
+    source: str
+    load: WorkerLoad
+    num_inflight: int
+    metrics_url: str
+    heartbeat_age_s: float
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., address: _Optional[str] = ..., state: _Optional[str] = ..., reason: _Optional[str] = ..., source: _Optional[str] = ..., load: _Optional[_Union[WorkerLoad, _Mapping]] = ..., num_inflight: _Optional[int] = ..., metrics_url: _Optional[str] = ..., heartbeat_age_s: _Optional[float] = ...) -> None: ...
+
+class ListWorkersResponse(_message.Message):
+    __slots__ = ("workers",)
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
+    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ...) -> None: ...
+
+class DrainRequest(_message.Message):
+    __slots__ = ("worker_id",)
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    def __init__(self, worker_id: _Optional[str] = ...) -> None: ...
+
+class DrainResponse(_message.Message):
+    __slots__ = ("worker",)
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    worker: WorkerStatus
+    def __init__(self, worker: _Optional[_Union[WorkerStatus, _Mapping]] = ...) -> None: ...

@@ -302,3 +302,262 @@ class DecodeWorker:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class RegistryStub:
+    """The gateway's worker registry: workers join and leave at runtime. Served by the
+    gateway next to pdserve.v1.Generation.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Register = channel.unary_unary(
+                '/pdserve.worker.v1.Registry/Register',
+                request_serializer=protos_dot_worker__pb2.RegisterRequest.SerializeToString,
+                response_deserializer=protos_dot_worker__pb2.RegisterResponse.FromString,
+                _registered_method=True)
+        self.Heartbeat = channel.unary_unary(
+                '/pdserve.worker.v1.Registry/Heartbeat',
+                request_serializer=protos_dot_worker__pb2.HeartbeatRequest.SerializeToString,
+                response_deserializer=protos_dot_worker__pb2.HeartbeatResponse.FromString,
+                _registered_method=True)
+        self.Deregister = channel.unary_unary(
+                '/pdserve.worker.v1.Registry/Deregister',
+                request_serializer=protos_dot_worker__pb2.DeregisterRequest.SerializeToString,
+                response_deserializer=protos_dot_worker__pb2.DeregisterResponse.FromString,
+                _registered_method=True)
+        self.ListWorkers = channel.unary_unary(
+                '/pdserve.worker.v1.Registry/ListWorkers',
+                request_serializer=protos_dot_worker__pb2.ListWorkersRequest.SerializeToString,
+                response_deserializer=protos_dot_worker__pb2.ListWorkersResponse.FromString,
+                _registered_method=True)
+        self.Drain = channel.unary_unary(
+                '/pdserve.worker.v1.Registry/Drain',
+                request_serializer=protos_dot_worker__pb2.DrainRequest.SerializeToString,
+                response_deserializer=protos_dot_worker__pb2.DrainResponse.FromString,
+                _registered_method=True)
+
+
+class RegistryServicer:
+    """The gateway's worker registry: workers join and leave at runtime. Served by the
+    gateway next to pdserve.v1.Generation.
+    """
+
+    def Register(self, request, context):
+        """A worker joins its tier and starts taking traffic. FAILED_PRECONDITION when its model
+        limits, KV layout or transports cannot work with the workers already registered.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Heartbeat(self, request, context):
+        """Liveness and load, every RegisterResponse.heartbeat_interval_s. A worker that misses
+        heartbeats for the gateway's timeout leaves rotation. NOT_FOUND: the gateway does not
+        know the worker (it restarted, or forgot a lost worker): register again.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Deregister(self, request, context):
+        """Leaves the tier at once (a drained worker, before it exits). Idempotent.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListWorkers(self, request, context):
+        """Every worker the gateway knows, registered or given by address.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Drain(self, request, context):
+        """Stops sending new work to a worker; a registered worker is told (in its next
+        heartbeat reply) to finish what it runs and exit. NOT_FOUND for an unknown id.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_RegistryServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Register': grpc.unary_unary_rpc_method_handler(
+                    servicer.Register,
+                    request_deserializer=protos_dot_worker__pb2.RegisterRequest.FromString,
+                    response_serializer=protos_dot_worker__pb2.RegisterResponse.SerializeToString,
+            ),
+            'Heartbeat': grpc.unary_unary_rpc_method_handler(
+                    servicer.Heartbeat,
+                    request_deserializer=protos_dot_worker__pb2.HeartbeatRequest.FromString,
+                    response_serializer=protos_dot_worker__pb2.HeartbeatResponse.SerializeToString,
+            ),
+            'Deregister': grpc.unary_unary_rpc_method_handler(
+                    servicer.Deregister,
+                    request_deserializer=protos_dot_worker__pb2.DeregisterRequest.FromString,
+                    response_serializer=protos_dot_worker__pb2.DeregisterResponse.SerializeToString,
+            ),
+            'ListWorkers': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListWorkers,
+                    request_deserializer=protos_dot_worker__pb2.ListWorkersRequest.FromString,
+                    response_serializer=protos_dot_worker__pb2.ListWorkersResponse.SerializeToString,
+            ),
+            'Drain': grpc.unary_unary_rpc_method_handler(
+                    servicer.Drain,
+                    request_deserializer=protos_dot_worker__pb2.DrainRequest.FromString,
+                    response_serializer=protos_dot_worker__pb2.DrainResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'pdserve.worker.v1.Registry', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('pdserve.worker.v1.Registry', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Registry:
+    """The gateway's worker registry: workers join and leave at runtime. Served by the
+    gateway next to pdserve.v1.Generation.
+    """
+
+    @staticmethod
+    def Register(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.worker.v1.Registry/Register',
+            protos_dot_worker__pb2.RegisterRequest.SerializeToString,
+            protos_dot_worker__pb2.RegisterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Heartbeat(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.worker.v1.Registry/Heartbeat',
+            protos_dot_worker__pb2.HeartbeatRequest.SerializeToString,
+            protos_dot_worker__pb2.HeartbeatResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Deregister(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.worker.v1.Registry/Deregister',
+            protos_dot_worker__pb2.DeregisterRequest.SerializeToString,
+            protos_dot_worker__pb2.DeregisterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListWorkers(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.worker.v1.Registry/ListWorkers',
+            protos_dot_worker__pb2.ListWorkersRequest.SerializeToString,
+            protos_dot_worker__pb2.ListWorkersResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Drain(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.worker.v1.Registry/Drain',
+            protos_dot_worker__pb2.DrainRequest.SerializeToString,
+            protos_dot_worker__pb2.DrainResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
+from pdserve import envvars
 from pdserve.config import GATEWAY_POLICIES, GatewayConfig, WorkerConfig, per_class
 
 
@@ -154,7 +156,11 @@ def cmd_prepare_model(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pdserve", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="pdserve", description=__doc__,
+        epilog="Every flag can also be set by an environment variable, named in its --help line: "
+               "--kv-cache-gib is PDSERVE_KV_CACHE_GIB. A flag on the command line wins; repeatable "
+               "flags take a comma-separated list; on/off flags take 1/true/yes/on or 0/false/no/off.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("up", help="start gateway + one prefill + one decode worker on this host")
@@ -244,6 +250,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--timeout-s", type=float, default=120.0)
+    p.add_argument("--wait", type=float, nargs="?", const=300.0, default=None, metavar="SECONDS",
+                   help="wait up to SECONDS (300 if not given; put the flag after the prompt) for the "
+                        "gateway to be SERVING; without it a stack not ready yet exits at once with status 3")
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("workers", help="list the gateway's workers: tier, address, state, load, metrics URL")
@@ -270,7 +279,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = envvars.parse_args(parser, argv, os.environ)
+    if args.command == "up":
+        # `up` hands its children every setting on their command lines; its own variables
+        # must not reach them, where some mean something else (PDSERVE_KV_TRANSPORT=auto is
+        # no worker transport; PDSERVE_HOST would move the workers off loopback).
+        for var in envvars.command_vars(parser, args):
+            os.environ.pop(var, None)
     if getattr(args, "metrics_port", None) == 0:
         args.metrics_port = None
     try:

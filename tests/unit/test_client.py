@@ -1,0 +1,113 @@
+"""`pdserve generate` against a stack that is not ready, and the health probe, on an
+in-process gRPC server whose health and Generate answers the test sets."""
+
+from __future__ import annotations
+
+import argparse
+import threading
+from concurrent import futures
+
+import grpc
+import pytest
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from pdserve import client, probe
+from pdserve.launcher import free_port
+from protos import generation_pb2, generation_pb2_grpc
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+class FakeGateway(generation_pb2_grpc.GenerationServicer):
+    """UNAVAILABLE (as the gateway answers without a ready worker) until ``ready`` is set."""
+
+    def __init__(self) -> None:
+        self.ready = threading.Event()
+
+    def Generate(self, request, context):
+        if not self.ready.is_set():
+            context.abort(grpc.StatusCode.UNAVAILABLE, "no ready decode worker")
+        yield generation_pb2.GenerateResponse(text="Paris", finish_reason="stop")
+
+
+@pytest.fixture
+def gateway():
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    fake = FakeGateway()
+    generation_pb2_grpc.add_GenerationServicer_to_server(fake, server)
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    health_servicer.set("", NOT_SERVING)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+
+    def serve() -> None:
+        health_servicer.set("", SERVING)
+        fake.ready.set()
+
+    yield f"127.0.0.1:{port}", serve
+    server.stop(None)
+
+
+def generate_args(address: str, wait: float | None = None) -> argparse.Namespace:
+    return argparse.Namespace(prompt="Capital of France?", chat=False, address=address, max_tokens=4,
+                              temperature=0.0, timeout_s=10.0, wait=wait)
+
+
+def refused_address() -> str:
+    return f"127.0.0.1:{free_port()}"  # bound and closed a moment ago: nothing listens
+
+
+def test_probe_states(gateway):
+    address, serve = gateway
+    assert probe.check(address) == probe.Health("NOT_SERVING")
+    assert probe.main([address]) == 1
+    serve()
+    assert probe.check(address) == probe.Health("SERVING")
+    assert probe.main([address]) == 0
+    assert probe.check(address, service="pdserve.v1.Nothing").status == "SERVICE_UNKNOWN"
+
+
+def test_probe_of_nothing_listening(capsys):
+    address = refused_address()
+    assert probe.check(address) == probe.Health(probe.UNREACHABLE, "connection refused")
+    assert probe.main([address]) == 1
+    assert capsys.readouterr().out == f"{address}: UNREACHABLE (connection refused)\n"
+
+
+def test_generate_without_a_gateway_is_one_line_and_status_3(capsys):
+    address = refused_address()
+    assert client.generate(generate_args(address)) == 3
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err == (f"pdserve generate: no gateway at {address} (connection refused); start the stack "
+                   f"(`pdserve up`) or add --wait to wait for it\n")
+
+
+def test_generate_before_the_workers_are_ready(capsys, gateway):
+    address, _ = gateway
+    assert client.generate(generate_args(address)) == 3
+    assert capsys.readouterr().err == (
+        f"pdserve generate: the stack at {address} is not ready yet (no ready decode worker); retry, or add --wait\n")
+
+
+def test_generate_waits_for_serving(capsys, gateway):
+    address, serve = gateway
+    timer = threading.Timer(0.5, serve)
+    timer.start()
+    try:
+        assert client.generate(generate_args(address, wait=10.0)) == 0
+    finally:
+        timer.cancel()
+    out, err = capsys.readouterr()
+    assert out == "Paris\n"
+    assert err.splitlines() == [f"pdserve generate: waiting for {address} to be SERVING: NOT_SERVING",
+                                "[stop; 0 prompt + 0 completion tokens]"]
+
+
+def test_generate_wait_gives_up(capsys, gateway):
+    address, _ = gateway
+    assert client.generate(generate_args(address, wait=0.3)) == 3
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"pdserve generate: {address} was not SERVING after 0.3 s (NOT_SERVING); is the stack up? (`pdserve up`)")

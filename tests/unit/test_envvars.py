@@ -33,7 +33,7 @@ def test_the_flag_wins_over_its_variable():
     assert args.kv_cache_gib == 3
 
 
-def test_repeatable_flags_take_a_comma_separated_list_and_satisfy_required():
+def test_repeatable_flags_take_a_comma_separated_list():
     args = parse(["gateway"], PDSERVE_PREFILL="p0:1, p1:2", PDSERVE_DECODE="d0:3")
     assert (args.prefill, args.decode) == (["p0:1", "p1:2"], ["d0:3"])
     # Given on the command line, the flag replaces the variable's list (it does not add to it).
@@ -41,11 +41,21 @@ def test_repeatable_flags_take_a_comma_separated_list_and_satisfy_required():
     assert (args.prefill, args.decode) == (["x:9", "y:8"], ["d0:3"])
 
 
+def required_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tool")
+    p.add_argument("--target", required=True)
+    return p
+
+
 def test_a_required_flag_with_neither_flag_nor_variable_still_fails(capsys):
     with pytest.raises(SystemExit) as exc:
-        parse(["gateway"], PDSERVE_DECODE="d0:3")
+        envvars.parse_args(required_parser(), [], {})
     assert exc.value.code == 2
-    assert "the following arguments are required: --prefill" in capsys.readouterr().err
+    assert "the following arguments are required: --target" in capsys.readouterr().err
+
+
+def test_a_variable_satisfies_a_required_flag():
+    assert envvars.parse_args(required_parser(), [], {"PDSERVE_TARGET": "x:1"}).target == "x:1"
 
 
 @pytest.mark.parametrize("word, value", [("1", True), ("yes", True), ("ON", True), ("0", False), ("false", False)])
@@ -125,7 +135,7 @@ def test_parsing_leaves_the_parser_as_built():
     envvars.parse_args(parser, ["gateway"], {"PDSERVE_PREFILL": "p:1", "PDSERVE_DECODE": "d:2"})
     gateway = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices["gateway"]
     prefill = next(a for a in gateway._actions if a.dest == "prefill")
-    assert (prefill.default, prefill.required) == (None, True)
+    assert (prefill.default, prefill.required) == ([], False)
 
 
 def test_up_variables_are_those_of_up():

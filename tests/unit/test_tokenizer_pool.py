@@ -64,6 +64,7 @@ def test_pool_cpu_is_exported_as_a_counter():
 def test_the_gateway_process_cpu_is_exported_by_default():
     before = REGISTRY.get_sample_value("process_cpu_seconds_total")
     t = time.process_time()
-    while time.process_time() - t < 0.1:
+    while time.process_time() - t < 0.3:
         pass
-    assert REGISTRY.get_sample_value("process_cpu_seconds_total") >= before + 0.09
+    # /proc counts CPU in clock ticks (10 ms): allow two ticks of rounding.
+    assert REGISTRY.get_sample_value("process_cpu_seconds_total") >= before + 0.28

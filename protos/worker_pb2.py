@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13protos/worker.proto\x12\x11pdserve.worker.v1\"\x85\x01\n\x08KvHandle\x12\x11\n\ttransport\x18\x01 \x01(\t\x12\x10\n\x08location\x18\x02 \x01(\t\x12\x12\n\nnum_tokens\x18\x03 \x01(\r\x12+\n\x06layout\x18\x04 \x01(\x0b\x32\x1b.pdserve.worker.v1.KvLayout\x12\x13\n\x0bproducer_id\x18\x05 \x01(\t\"k\n\x08KvLayout\x12\x12\n\nnum_layers\x18\x01 \x01(\r\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x03 \x01(\r\x12\x12\n\nentry_size\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\"\x9f\x01\n\x0e\x45ngineSampling\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\r\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\r\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x42\x07\n\x05_seed\"\x94\x02\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\x12+\n\x06layout\x18\x05 \x01(\x0b\x32\x1b.pdserve.worker.v1.KvLayout\x12\x12\n\ntransports\x18\x06 \x03(\t\x12\x12\n\nvocab_size\x18\x07 \x01(\r\x12\x14\n\x0c\x65os_token_id\x18\x08 \x01(\r\x12\x0f\n\x07host_id\x18\t \x01(\t\x12\x11\n\tkv_device\x18\n \x01(\t\x12\x1a\n\x12kv_capacity_tokens\x18\x0b \x01(\r\x12\x14\n\x0cmax_num_seqs\x18\x0c \x01(\r\"\r\n\x0bInfoRequest\"\x82\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x33\n\x08sampling\x18\x03 \x01(\x0b\x32!.pdserve.worker.v1.EngineSampling\x12\x14\n\x0ckv_transport\x18\x04 \x01(\t\"\x84\x01\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\r\x12\'\n\x02kv\x18\x02 \x01(\x0b\x32\x1b.pdserve.worker.v1.KvHandle\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x19\n\x11num_cached_tokens\x18\x04 \x01(\r\"9\n\x0eReleaseRequest\x12\'\n\x02kv\x18\x01 \x01(\x0b\x32\x1b.pdserve.worker.v1.KvHandle\"\x11\n\x0fReleaseResponse\"\x94\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x33\n\x08sampling\x18\x03 \x01(\x0b\x32!.pdserve.worker.v1.EngineSampling\x12\'\n\x02kv\x18\x04 \x01(\x0b\x32\x1b.pdserve.worker.v1.KvHandle\"r\n\x0e\x44\x65\x63odeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x15\n\rfinish_reason\x18\x02 \x01(\t\x12\x1b\n\x13num_external_tokens\x18\x03 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x04 \x01(\r2\xfa\x01\n\rPrefillWorker\x12P\n\x07Prefill\x12!.pdserve.worker.v1.PrefillRequest\x1a\".pdserve.worker.v1.PrefillResponse\x12P\n\x07Release\x12!.pdserve.worker.v1.ReleaseRequest\x1a\".pdserve.worker.v1.ReleaseResponse\x12\x45\n\x04Info\x12\x1e.pdserve.worker.v1.InfoRequest\x1a\x1d.pdserve.worker.v1.WorkerInfo2\xa6\x01\n\x0c\x44\x65\x63odeWorker\x12O\n\x06\x44\x65\x63ode\x12 .pdserve.worker.v1.DecodeRequest\x1a!.pdserve.worker.v1.DecodeResponse0\x01\x12\x45\n\x04Info\x12\x1e.pdserve.worker.v1.InfoRequest\x1a\x1d.pdserve.worker.v1.WorkerInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13protos/worker.proto\x12\x11pdserve.worker.v1\"\x85\x01\n\x08KvHandle\x12\x11\n\ttransport\x18\x01 \x01(\t\x12\x10\n\x08location\x18\x02 \x01(\t\x12\x12\n\nnum_tokens\x18\x03 \x01(\r\x12+\n\x06layout\x18\x04 \x01(\x0b\x32\x1b.pdserve.worker.v1.KvLayout\x12\x13\n\x0bproducer_id\x18\x05 \x01(\t\"\x9f\x01\n\x08KvLayout\x12\x12\n\nnum_layers\x18\x01 \x01(\r\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x03 \x01(\r\x12\x12\n\nentry_size\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x0c\n\x04\x61xes\x18\x06 \x01(\t\x12\x14\n\x0cmemory_order\x18\x07 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x08 \x01(\t\"\x9f\x01\n\x0e\x45ngineSampling\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\r\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\r\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x42\x07\n\x05_seed\"\x94\x02\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\x12+\n\x06layout\x18\x05 \x01(\x0b\x32\x1b.pdserve.worker.v1.KvLayout\x12\x12\n\ntransports\x18\x06 \x03(\t\x12\x12\n\nvocab_size\x18\x07 \x01(\r\x12\x14\n\x0c\x65os_token_id\x18\x08 \x01(\r\x12\x0f\n\x07host_id\x18\t \x01(\t\x12\x11\n\tkv_device\x18\n \x01(\t\x12\x1a\n\x12kv_capacity_tokens\x18\x0b \x01(\r\x12\x14\n\x0cmax_num_seqs\x18\x0c \x01(\r\"\r\n\x0bInfoRequest\"\x82\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x33\n\x08sampling\x18\x03 \x01(\x0b\x32!.pdserve.worker.v1.EngineSampling\x12\x14\n\x0ckv_transport\x18\x04 \x01(\t\"\x84\x01\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\r\x12\'\n\x02kv\x18\x02 \x01(\x0b\x32\x1b.pdserve.worker.v1.KvHandle\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x19\n\x11num_cached_tokens\x18\x04 \x01(\r\"9\n\x0eReleaseRequest\x12\'\n\x02kv\x18\x01 \x01(\x0b\x32\x1b.pdserve.worker.v1.KvHandle\"\x11\n\x0fReleaseResponse\"\x94\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x33\n\x08sampling\x18\x03 \x01(\x0b\x32!.pdserve.worker.v1.EngineSampling\x12\'\n\x02kv\x18\x04 \x01(\x0b\x32\x1b.pdserve.worker.v1.KvHandle\"r\n\x0e\x44\x65\x63odeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x15\n\rfinish_reason\x18\x02 \x01(\t\x12\x1b\n\x13num_external_tokens\x18\x03 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x04 \x01(\r2\xfa\x01\n\rPrefillWorker\x12P\n\x07Prefill\x12!.pdserve.worker.v1.PrefillRequest\x1a\".pdserve.worker.v1.PrefillResponse\x12P\n\x07Release\x12!.pdserve.worker.v1.ReleaseRequest\x1a\".pdserve.worker.v1.ReleaseResponse\x12\x45\n\x04Info\x12\x1e.pdserve.worker.v1.InfoRequest\x1a\x1d.pdserve.worker.v1.WorkerInfo2\xa6\x01\n\x0c\x44\x65\x63odeWorker\x12O\n\x06\x44\x65\x63ode\x12 .pdserve.worker.v1.DecodeRequest\x1a!.pdserve.worker.v1.DecodeResponse0\x01\x12\x45\n\x04Info\x12\x1e.pdserve.worker.v1.InfoRequest\x1a\x1d.pdserve.worker.v1.WorkerInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,28 +33,28 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_KVHANDLE']._serialized_start=43
   _globals['_KVHANDLE']._serialized_end=176
-  _globals['_KVLAYOUT']._serialized_start=178
-  _globals['_KVLAYOUT']._serialized_end=285
-  _globals['_ENGINESAMPLING']._serialized_start=288
-  _globals['_ENGINESAMPLING']._serialized_end=447
-  _globals['_WORKERINFO']._serialized_start=450
-  _globals['_WORKERINFO']._serialized_end=726
-  _globals['_INFOREQUEST']._serialized_start=728
-  _globals['_INFOREQUEST']._serialized_end=741
-  _globals['_PREFILLREQUEST']._serialized_start=744
-  _globals['_PREFILLREQUEST']._serialized_end=874
-  _globals['_PREFILLRESPONSE']._serialized_start=877
-  _globals['_PREFILLRESPONSE']._serialized_end=1009
-  _globals['_RELEASEREQUEST']._serialized_start=1011
-  _globals['_RELEASEREQUEST']._serialized_end=1068
-  _globals['_RELEASERESPONSE']._serialized_start=1070
-  _globals['_RELEASERESPONSE']._serialized_end=1087
-  _globals['_DECODEREQUEST']._serialized_start=1090
-  _globals['_DECODEREQUEST']._serialized_end=1238
-  _globals['_DECODERESPONSE']._serialized_start=1240
-  _globals['_DECODERESPONSE']._serialized_end=1354
-  _globals['_PREFILLWORKER']._serialized_start=1357
-  _globals['_PREFILLWORKER']._serialized_end=1607
-  _globals['_DECODEWORKER']._serialized_start=1610
-  _globals['_DECODEWORKER']._serialized_end=1776
+  _globals['_KVLAYOUT']._serialized_start=179
+  _globals['_KVLAYOUT']._serialized_end=338
+  _globals['_ENGINESAMPLING']._serialized_start=341
+  _globals['_ENGINESAMPLING']._serialized_end=500
+  _globals['_WORKERINFO']._serialized_start=503
+  _globals['_WORKERINFO']._serialized_end=779
+  _globals['_INFOREQUEST']._serialized_start=781
+  _globals['_INFOREQUEST']._serialized_end=794
+  _globals['_PREFILLREQUEST']._serialized_start=797
+  _globals['_PREFILLREQUEST']._serialized_end=927
+  _globals['_PREFILLRESPONSE']._serialized_start=930
+  _globals['_PREFILLRESPONSE']._serialized_end=1062
+  _globals['_RELEASEREQUEST']._serialized_start=1064
+  _globals['_RELEASEREQUEST']._serialized_end=1121
+  _globals['_RELEASERESPONSE']._serialized_start=1123
+  _globals['_RELEASERESPONSE']._serialized_end=1140
+  _globals['_DECODEREQUEST']._serialized_start=1143
+  _globals['_DECODEREQUEST']._serialized_end=1291
+  _globals['_DECODERESPONSE']._serialized_start=1293
+  _globals['_DECODERESPONSE']._serialized_end=1407
+  _globals['_PREFILLWORKER']._serialized_start=1410
+  _globals['_PREFILLWORKER']._serialized_end=1660
+  _globals['_DECODEWORKER']._serialized_start=1663
+  _globals['_DECODEWORKER']._serialized_end=1829
 # @@protoc_insertion_point(module_scope)

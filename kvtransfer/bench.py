@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-from kvtransfer.layout import KVHandle, KVLayout
+from kvtransfer.layout import KVHandle, KVLayout, layer_views
 from kvtransfer.transport import KVTransport, transport_class
 
 DEFAULT_LAYOUT = KVLayout(num_layers=30, block_size=32, num_kv_heads=3, entry_size=128,
@@ -54,8 +54,10 @@ class Result:
 class ProducerProcess:
     """A producer transport in a process of its own, driven over a pipe.
 
-    ``layers`` is one tensor ``(num_layers, num_blocks, *block_shape)`` in shared memory: the
-    child serves from the very bytes the parent later checks the consumer's copy against.
+    ``layers`` is the whole cache in shared memory, ``(num_layers, *axis sizes in the
+    layout's memory order)`` (``layer_views``; ``(num_layers, num_blocks, H, N, C)`` for
+    vLLM's LBHNC): the child serves from the very bytes the parent later checks the
+    consumer's copy against.
     """
 
     def __init__(self, transport: str, layout: KVLayout, layers: torch.Tensor,
@@ -113,7 +115,8 @@ def _producer_main(conn: Any, transport: str, layout: dict[str, Any], layers: to
         from kvtransfer.shm import share
 
         layers = share(layers, "bench-producer")
-    layer_list = list(layers.unbind(0))  # block views (num_blocks, *block_shape), contiguous
+    kv_layout = KVLayout.from_dict(layout)
+    layer_list = [kv_layout.block_view(t) for t in layer_views(kv_layout, layers)]
     try:
         while True:
             message = conn.recv()

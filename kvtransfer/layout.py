@@ -86,7 +86,9 @@ class KVLayout:
 
     def _canonical_order(self, order: str) -> str:
         if sorted(order) != sorted(self.axes):
-            raise UnknownLayoutError(f"memory order {order!r} is not an order of axes {self.axes!r}")
+            raise UnknownLayoutError(
+                f"memory order {order!r} is not an order of axes {self.axes!r}"
+            )
         singleton = {a for a, n in self.axis_sizes(num_blocks=2).items() if n == 1}
 
         def significant(o: str) -> str:
@@ -231,8 +233,9 @@ def _memory_order(tensor: torch.Tensor, axes: str) -> str:
     Refuses overlapping or broadcast strides: blocks there are not whole runs of memory."""
     dims = [i for i in range(tensor.dim()) if tensor.shape[i] > 1 or axes[i] == "B"]
     dims.sort(key=lambda i: -tensor.stride(i))
-    for outer, inner in zip(dims, dims[1:]):
-        if tensor.stride(outer) < tensor.stride(inner) * tensor.shape[inner]:
+    for outer, inner in zip(dims, [*dims[1:], None]):
+        inner_extent = 1 if inner is None else tensor.stride(inner) * tensor.shape[inner]
+        if tensor.shape[outer] > 1 and tensor.stride(outer) < inner_extent:
             raise UnknownLayoutError(
                 f"KV cache tensor {tuple(tensor.shape)} with strides {tensor.stride()} overlaps "
                 "itself; it is no paged cache this connector can copy"
@@ -241,14 +244,21 @@ def _memory_order(tensor: torch.Tensor, axes: str) -> str:
     return "".join(axes[i] for i in dims + singles)
 
 
-def new_kv_caches(layout: KVLayout, num_blocks: int, device: str | torch.device = "cpu") -> list[torch.Tensor]:
-    """Zeroed per-layer tensors laid out as ``layout``'s engine allocates them: one layer-major
-    allocation, each layer's axes in memory order, viewed in logical order (tests, benchmarks)."""
+def new_kv_caches(
+    layout: KVLayout, num_blocks: int, device: str | torch.device = "cpu"
+) -> list[torch.Tensor]:
+    """Zeroed per-layer tensors laid out as ``layout``'s engine allocates them (tests,
+    benchmarks)."""
     sizes = layout.axis_sizes(num_blocks)
     physical = (layout.num_layers, *(sizes[a] for a in layout.memory_order))
-    buffer = torch.zeros(physical, dtype=layout.torch_dtype, device=device)
+    return layer_views(layout, torch.zeros(physical, dtype=layout.torch_dtype, device=device))
+
+
+def layer_views(layout: KVLayout, physical: torch.Tensor) -> list[torch.Tensor]:
+    """The per-layer tensors, in logical axis order, of one layer-major allocation shaped
+    ``(num_layers, *axis sizes in memory order)``."""
     to_logical = [layout.memory_order.index(a) for a in layout.axes]
-    return [layer.permute(to_logical) for layer in buffer.unbind(0)]
+    return [layer.permute(to_logical) for layer in physical.unbind(0)]
 
 
 @dataclass(frozen=True, slots=True)

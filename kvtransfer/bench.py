@@ -23,13 +23,13 @@ import statistics
 import sys
 import time
 import uuid
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import torch
 import torch.multiprocessing as mp
 
-from kvtransfer.layout import KVHandle, KVLayout
+from kvtransfer.layout import KVHandle, KVLayout, layer_views
 from kvtransfer.transport import KVTransport, transport_class
 
 DEFAULT_LAYOUT = KVLayout(num_layers=30, block_size=32, num_kv_heads=3, entry_size=128,
@@ -54,8 +54,10 @@ class Result:
 class ProducerProcess:
     """A producer transport in a process of its own, driven over a pipe.
 
-    ``layers`` is one tensor ``(num_layers, num_blocks, H, N, C)`` in shared memory: the
-    child serves from the very bytes the parent later checks the consumer's copy against.
+    ``layers`` is the whole cache in shared memory, ``(num_layers, *axis sizes in the
+    layout's memory order)`` (``layer_views``; ``(num_layers, num_blocks, H, N, C)`` for
+    vLLM's LBHNC): the child serves from the very bytes the parent later checks the
+    consumer's copy against.
     """
 
     def __init__(self, transport: str, layout: KVLayout, layers: torch.Tensor,
@@ -113,7 +115,8 @@ def _producer_main(conn: Any, transport: str, layout: dict[str, Any], layers: to
         from kvtransfer.shm import share
 
         layers = share(layers, "bench-producer")
-    layer_list = list(layers.unbind(0))  # each (num_blocks, H, N, C), contiguous
+    kv_layout = KVLayout.from_dict(layout)
+    layer_list = [kv_layout.block_view(t) for t in layer_views(kv_layout, layers)]
     try:
         while True:
             message = conn.recv()
@@ -145,7 +148,8 @@ def producer_config(transport: str) -> dict[str, Any]:
 
 def random_layers(layout: KVLayout, num_blocks: int, seed: int,
                   device: str = "cpu") -> torch.Tensor:
-    """``(num_layers, num_blocks, H, N, C)`` of random bits (viewed as ``layout.dtype``)."""
+    """``(num_layers, num_blocks, *block_shape)`` of random bits (viewed as ``layout.dtype``):
+    the block views of a layer-major cache."""
     generator = torch.Generator().manual_seed(seed)
     shape = (layout.num_layers, num_blocks, *layout.block_shape)
     nbytes = layout.num_layers * num_blocks * layout.block_nbytes
@@ -240,7 +244,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(1)
-    layout = DEFAULT_LAYOUT
+    layout = replace(DEFAULT_LAYOUT, device=torch.device(args.device).type)
     names = args.transports or available_transports()
     unknown = set(names) - set(available_transports())
     if unknown:

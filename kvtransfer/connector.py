@@ -35,7 +35,8 @@ One engine serves several transports at once (``kv_connector_extra_config["trans
 the prefill worker picks one per request, the decode side reads whichever a handle names.
 
 Scheduler half: get_num_new_matched_tokens, update_state_after_alloc, build_connector_meta,
-request_finished, on_new_request. Worker half: register_kv_caches, start_load_kv,
+request_finished, on_new_request. Worker half: register_kv_caches (reads and checks the KV
+layout, see layout.py; asks vLLM for LBHNC via get_required_kvcache_layout), start_load_kv,
 wait_for_save, get_block_ids_with_load_errors. The CPU engine runs layers one after another
 on the same cores, so per-layer hooks (save_kv_layer, wait_for_layer_load) have no copy to
 overlap with and do nothing; the transports copy whole prompts.
@@ -58,7 +59,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvtransfer import metrics
-from kvtransfer.layout import KVHandle, KVLayout, expected_layout
+from kvtransfer.layout import REQUIRED_KV_CACHE_LAYOUT, KVHandle, KVLayout, expected_layout
 from kvtransfer.transport import KVTransferError, KVTransport, transport_class
 
 if TYPE_CHECKING:
@@ -130,6 +131,12 @@ class PdConnector(KVConnectorBase_V1):
         self._extra_config = dict(extra)
         self._producer_id = str(extra.get("producer_id", self._kv_transfer_config.engine_id))
         self._layout = expected_layout(vllm_config)
+        for name, cls in self._transport_classes.items():
+            if self._layout.device not in cls.devices:
+                raise ValueError(
+                    f"the {name} KV transport moves {'/'.join(cls.devices)} KV caches; this "
+                    f"engine keeps its KV on {self._layout.device}: configure other transports"
+                )
         # Scheduler half.
         self._pending_saves: dict[str, tuple[Request, dict[str, str]]] = {}
         self._pending_loads: dict[str, LoadSpec] = {}
@@ -138,7 +145,7 @@ class PdConnector(KVConnectorBase_V1):
         # Blocks a load is filling, until the request finishes: a failed load means the
         # engine recomputed those tokens, and the request reports no external tokens.
         self._loading_blocks: dict[str, set[int]] = {}
-        # Worker half.
+        # Worker half. Block views of the engine's per-layer caches (layout.block_view).
         self._layers: list[torch.Tensor] = []
         self._transports: dict[str, KVTransport] = {}
         self._failed_block_ids: set[int] = set()
@@ -261,10 +268,24 @@ class PdConnector(KVConnectorBase_V1):
     # Worker half
     # ==============================
 
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
+        # One known layout on every backend: the handshake announces it before allocation.
+        return REQUIRED_KV_CACHE_LAYOUT
+
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        self._layers = list(kv_caches.values())
-        layout = KVLayout.from_kv_caches(self._layers)
-        assert layout == self._layout, f"engine allocated {layout}, expected {self._layout}"
+        """Reads the layout off the engine's tensors; refuses to start on any it cannot copy
+        or that differs from the one this worker announced (handles, WorkerInfo)."""
+        layers = list(kv_caches.values())
+        layout = KVLayout.from_kv_caches(layers)
+        diffs = layout.differences(self._layout, here="allocated", there="announced")
+        if diffs:
+            raise ValueError(
+                "PdConnector: the engine's KV cache is not laid out as this worker announced ("
+                + "; ".join(diffs) + "); VLLM_KV_CACHE_LAYOUT, the attention backend or the "
+                "KV cache dtype moved it"
+            )
+        self._layers = [layout.block_view(layer) for layer in layers]
         if self._kv_transfer_config.is_kv_producer:
             for name, cls in self._transport_classes.items():
                 self._transports[name] = cls(layout, self._producer_id, self._extra_config)

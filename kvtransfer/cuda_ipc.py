@@ -31,6 +31,7 @@ from kvtransfer.wire import recv_message, send_message, socket_errors
 
 class CudaIpcTransport(ServedTransport):
     name = "cuda_ipc"
+    devices = ("cuda",)
 
     def __init__(
         self, layout: KVLayout, producer_id: str, extra_config: Mapping[str, Any] | None = None
@@ -63,7 +64,7 @@ class CudaIpcTransport(ServedTransport):
         with sock:
             with socket_errors(f"receiving a CUDA IPC handle from {handle.location}"):
                 shared = recv_message(sock)
-            staged = open_shared(shared)  # (num_layers, num_staged_blocks, H, N, C)
+            staged = open_shared(shared)  # (num_layers, num_staged_blocks, *block_shape)
             expected = (len(layers), *self.layout.block_shape)
             if (staged.shape[0], *staged.shape[2:]) != expected or staged.dtype != layers[0].dtype:
                 raise KVTransferError("size", f"shared KV is {tuple(staged.shape)} "

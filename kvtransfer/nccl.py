@@ -145,7 +145,7 @@ class NcclTransport(ServedTransport):
         last_block = fetch.first_block + fetch.num_blocks
         works = [
             pair.group.send([layer[fetch.first_block:last_block]], CONSUMER_RANK, tag)
-            for layer in lease.blocks  # (num_blocks, H, N, C) contiguous ranges
+            for layer in lease.blocks  # (num_blocks, *block_shape) contiguous ranges
         ]
         try:
             for work in works:
@@ -238,8 +238,11 @@ class NcclTransport(ServedTransport):
                  block_ids: torch.Tensor, fetch: FetchRange) -> None:
         timeout = timedelta(seconds=self.config.timeout_s)
         runs = contiguous_runs(block_ids.tolist())
-        if len(runs) == 1:  # one run: every layer's range lands in place
-            start = runs[0][0]
+        start = runs[0][0]
+        # One run of a block-contiguous cache: every layer's range lands in place (a
+        # collective needs dense tensors; strided blocks go through the buffers).
+        if len(runs) == 1 and all(layer[start:start + fetch.num_blocks].is_contiguous()
+                                  for layer in layers):
             works = [pair.group.recv([layer[start:start + fetch.num_blocks]], PRODUCER_RANK, tag)
                      for layer in layers]
             for work in works:

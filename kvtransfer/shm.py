@@ -147,6 +147,7 @@ def kv_cache_in_shm(producer_id: str) -> Iterator[None]:
 
 class ShmTransport(KVTransport):
     name = "shm"
+    devices = ("cpu",)
     # The producer engine holds the published blocks until the lease ends (no staging copy).
     holds_blocks = True
 
@@ -184,6 +185,8 @@ class ShmTransport(KVTransport):
             "inode": cache.inode,
             "nbytes": cache.nbytes,
             "num_blocks": layers[0].shape[0],
+            # Block views: (num_blocks, *layout.block_shape), whatever the engine's axes.
+            "block_shape": list(layers[0].shape[1:]),
             "stride": list(stride),
             "offsets": [layer.storage_offset() for layer in layers],
             "block_ids": block_ids.tolist(),
@@ -225,6 +228,11 @@ class ShmTransport(KVTransport):
                     "size",
                     f"asked for blocks {first_block}..{last_block} of a lease holding "
                     f"{len(src_ids)}",
+                )
+            if tuple(lease["block_shape"]) != self.layout.block_shape:
+                raise KVTransferError(
+                    "layout", f"producer blocks are {tuple(lease['block_shape'])}, this "
+                    f"engine's {self.layout.block_shape} ({self.layout.memory_order})"
                 )
             sources, source_blocks = self._producer_layers(lease)
             if len(sources) != len(layers):
@@ -303,16 +311,19 @@ def copy_blocks(
     src_ids: list[int],
     dst_ids: list[int],
 ) -> None:
-    """``layers[l][dst_ids[i]] = sources[l][src_ids[i]]`` for every layer and block.
+    """``layers[l][dst_ids[i]] = sources[l][src_ids[i]]`` for every layer's block view
+    (``KVLayout.block_view``), whatever axis the engine keeps its blocks on.
 
-    Each block of a layer is one contiguous run of bytes, so the copy is a run of block-sized
-    memcpys: numpy moves whole blocks as opaque items, where torch's index_copy_ goes element
-    by element at a fraction of memcpy's speed. (ShmTransport.recv does the same with views
-    it keeps.)
+    When every view is contiguous host memory (a layer-major, block-contiguous cache), each
+    block is one run of bytes and the copy is a run of block-sized memcpys: numpy moves whole
+    blocks as opaque items, where torch's index_copy_ goes element by element at a fraction
+    of memcpy's speed. (ShmTransport.recv does the same with views it keeps.) Strided blocks
+    (K and V apart, layers interleaved) and device caches take torch's strided copy.
     """
     if not _host_contiguous([*sources, *layers]):
-        src, dst = torch.tensor(src_ids), torch.tensor(dst_ids)
         for layer, source in zip(layers, sources, strict=True):
+            src = torch.tensor(src_ids, device=source.device)
+            dst = torch.tensor(dst_ids, device=layer.device)
             layer.index_copy_(0, dst, source.index_select(0, src).to(layer.device))
         return
     src, dst = np.asarray(src_ids), np.asarray(dst_ids)

@@ -2,8 +2,9 @@
 
 ``send`` must return before the engine may reuse the source blocks, so a producer that
 serves blocks later (tcp, nccl, cuda_ipc) gathers them once into a staging buffer laid out
-``(num_layers, num_blocks, heads, block_size, entry)``: for each layer the blocks of any
-range are contiguous, which is what lets the transports stream a range without another copy.
+``(num_layers, num_blocks, *layout.block_shape)`` (the block views' order, see layout.py):
+for each layer the blocks of any range are contiguous, which is what lets the transports
+stream a range without another copy.
 
 A lease ends when the consumer acknowledges the fetch, when ``release`` is called, or when
 it expires. Freed buffers go back to a small pool: a fresh allocation is first-touched page
@@ -27,7 +28,7 @@ from kvtransfer.layout import KVLayout
 @dataclass(slots=True)
 class Lease:
     key: str
-    blocks: torch.Tensor  # (num_layers, num_blocks, H, N, C), a view into a pooled buffer
+    blocks: torch.Tensor  # (num_layers, num_blocks, *block_shape), a view into a pooled buffer
     buffer: torch.Tensor  # (capacity_bytes,) uint8, returned to the pool when the lease ends
     expires_s: float  # time.monotonic() deadline
     # Server threads streaming from ``blocks``; the buffer is reused only once they finish.
@@ -91,7 +92,8 @@ class LeaseTable:
         block_ids: torch.Tensor,
         device: torch.device | None = None,
     ) -> Lease:
-        """Gathers ``block_ids`` of every layer into a staging buffer leased under ``key``.
+        """Gathers ``block_ids`` of every layer's block view into a staging buffer leased
+        under ``key``.
 
         ``device`` is where the staged copy lives (the cache's own device when None): a
         socket streams from host memory, CUDA IPC shares device memory.
@@ -107,7 +109,7 @@ class LeaseTable:
         ids = block_ids.to(source)
         for layer, out in zip(layers, blocks, strict=True):
             if device == source:
-                torch.index_select(layer, 0, ids, out=out)  # (num_blocks, H, N, C)
+                torch.index_select(layer, 0, ids, out=out)  # (num_blocks, *block_shape)
             else:
                 out.copy_(layer.index_select(0, ids))
         if source.type == "cuda":

@@ -7,8 +7,9 @@ staging buffer, sent in bounded chunks straight from that memory.
 
 The consumer receives straight into its paged KV tensors: every run of consecutive
 destination block ids is one ``recv_into`` target, so bytes go from the socket to the
-blocks with no intermediate copy. A cache that is not contiguous host memory (a GPU cache)
-receives through a host buffer and is scattered with ``index_copy_``.
+blocks with no intermediate copy. A cache whose block views are not contiguous host memory
+(a GPU cache, K and V kept apart, layers interleaved) receives through a host buffer and is
+scattered with ``index_copy_``.
 
 The stream is checked by size: both ends agree on the exact byte count up front, the
 consumer reads exactly that many, and a peer that closes early raises ``peer``. TCP's own
@@ -43,7 +44,7 @@ class TcpTransport(ServedTransport):
         self, conn: socket.socket, lease: Lease, fetch: FetchRange, message: dict[str, Any]
     ) -> None:
         last_block = fetch.first_block + fetch.num_blocks
-        for layer in lease.blocks:  # (num_blocks, H, N, C), contiguous
+        for layer in lease.blocks:  # (num_blocks, *block_shape), contiguous
             view = _bytes_of(layer[fetch.first_block:last_block])
             for start in range(0, len(view), CHUNK_BYTES):
                 conn.sendall(view[start:start + CHUNK_BYTES])
@@ -76,7 +77,7 @@ def _recv_in_place(
 ) -> None:
     runs = contiguous_runs(block_ids.tolist())
     for layer in layers:
-        view = _bytes_of(layer)  # the whole (num_blocks, H, N, C) layer
+        view = _bytes_of(layer)  # the whole (num_blocks, *block_shape) layer
         targets = [view[start * block_nbytes:(start + length) * block_nbytes]
                    for start, length in runs]
         # Scatter-gather receive: one recvmsg fills many blocks, however scattered they are.
@@ -101,7 +102,7 @@ def _recv_scatter(
     sock: socket.socket, layers: Sequence[torch.Tensor], block_ids: torch.Tensor, fetch: FetchRange
 ) -> None:
     shape = (fetch.num_blocks, *layers[0].shape[1:])
-    buffer = torch.empty(shape, dtype=layers[0].dtype)  # (num_blocks, H, N, C), host
+    buffer = torch.empty(shape, dtype=layers[0].dtype)  # (num_blocks, *block_shape), host
     view = _bytes_of(buffer)
     for layer in layers:
         recv_into_exact(sock, view)

@@ -1,8 +1,9 @@
 """The interface every KV transport implements, and the registry that picks one.
 
 A transport moves whole paged blocks between two engines. Both sides run inside vLLM's
-engine process (the connector's worker half calls them), on the per-layer KV tensors the
-engine registered:
+engine process (the connector's worker half calls them), on block views of the per-layer KV
+tensors the engine registered: ``layout.block_view(layer)``, shaped
+``(num_blocks, *layout.block_shape)``, whatever axis the engine keeps its blocks on:
 
 - producer: ``send(location, layers, block_ids)`` publishes the blocks of one prompt under
   ``location`` and must not return before the source blocks may be reused by the engine;
@@ -40,6 +41,8 @@ class KVTransferError(RuntimeError):
 
 class KVTransport(ABC):
     name: ClassVar[str]
+    # KV cache device types this transport moves blocks of.
+    devices: ClassVar[tuple[str, ...]] = ("cpu", "cuda")
 
     def __init__(
         self, layout: KVLayout, producer_id: str, extra_config: Mapping[str, Any] | None = None
@@ -54,7 +57,7 @@ class KVTransport(ABC):
 
     @abstractmethod
     def send(self, location: str, layers: Sequence[torch.Tensor], block_ids: torch.Tensor) -> None:
-        """Publishes ``block_ids`` of every layer under ``location``."""
+        """Publishes ``block_ids`` of every layer's block view under ``location``."""
 
     @abstractmethod
     def recv(

@@ -193,4 +193,7 @@ def layout_from_proto(msg: worker_pb2.KvLayout):
         num_kv_heads=msg.num_kv_heads,
         entry_size=msg.entry_size,
         dtype=msg.dtype,
+        axes=msg.axes,
+        memory_order=msg.memory_order,
+        device=msg.device,
     )

@@ -21,18 +21,24 @@ class KvHandle(_message.Message):
     def __init__(self, transport: _Optional[str] = ..., location: _Optional[str] = ..., num_tokens: _Optional[int] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., producer_id: _Optional[str] = ...) -> None: ...
 
 class KvLayout(_message.Message):
-    __slots__ = ("num_layers", "block_size", "num_kv_heads", "entry_size", "dtype")
+    __slots__ = ("num_layers", "block_size", "num_kv_heads", "entry_size", "dtype", "axes", "memory_order", "device")
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
     ENTRY_SIZE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
+    AXES_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_ORDER_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
     num_layers: int
     block_size: int
     num_kv_heads: int
     entry_size: int
     dtype: str
-    def __init__(self, num_layers: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., entry_size: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
+    axes: str
+    memory_order: str
+    device: str
+    def __init__(self, num_layers: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., entry_size: _Optional[int] = ..., dtype: _Optional[str] = ..., axes: _Optional[str] = ..., memory_order: _Optional[str] = ..., device: _Optional[str] = ...) -> None: ...
 
 class EngineSampling(_message.Message):
     __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "ignore_eos", "stream_interval")

@@ -40,6 +40,7 @@ def connector(role: KVConnectorRole, kv_role: str, transports=("shm",)) -> PdCon
         cache_config=SimpleNamespace(block_size=BLOCK, cache_dtype="auto"),
         model_config=FakeModelConfig(),
         parallel_config=None,
+        device_config=SimpleNamespace(device_type="cpu"),
     )
     return PdConnector(vllm_config, role, kv_cache_config=None)
 

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
@@ -296,15 +296,16 @@ def test_unknown_transport_names_the_known_ones() -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_ipc_round_trip_across_processes() -> None:
-    src = random_layers(LAYOUT, NUM_BLOCKS, seed=4, device="cuda")
-    producer = ProducerProcess("cuda_ipc", LAYOUT, src, {"cuda_ipc_host": "127.0.0.1",
+    layout = replace(LAYOUT, device="cuda")
+    src = random_layers(layout, NUM_BLOCKS, seed=4, device="cuda")
+    producer = ProducerProcess("cuda_ipc", layout, src, {"cuda_ipc_host": "127.0.0.1",
                                                          "cuda_ipc_port": 0,
                                                          "kv_timeout_s": 10.0})
-    consumer = make_transport("cuda_ipc", LAYOUT, serve=False)
+    consumer = make_transport("cuda_ipc", layout, serve=False)
     try:
         location, _ = producer.send("gpu", [3, 7, 1, 9])
         dst = torch.zeros_like(src)
-        consumer.recv(KVHandle("cuda_ipc", location, 16, LAYOUT, "p"), list(dst.unbind(0)),
+        consumer.recv(KVHandle("cuda_ipc", location, 16, layout, "p"), list(dst.unbind(0)),
                       torch.tensor([5, 6, 0], device="cuda"), 1)
         assert bitwise_equal(dst[:, [5, 6, 0]].cpu(), src[:, [7, 1, 9]].cpu())
     finally:

@@ -307,9 +307,13 @@ def _open(role: str, address: str) -> Worker:
 
 def _incompatibility(a: worker_pb2.WorkerInfo, b: worker_pb2.WorkerInfo) -> str | None:
     if a.layout != b.layout:
-        return f"KV layout {b.layout} differs from {a.layout} (same model, dtype and --block-size needed)"
+        diffs = [f"{f.name} {getattr(b.layout, f.name)!r} vs {getattr(a.layout, f.name)!r}"
+                 for f in a.layout.DESCRIPTOR.fields if getattr(a.layout, f.name) != getattr(b.layout, f.name)]
+        return (f"its KV layout differs from the tier's ({'; '.join(diffs)}); run every worker with the same "
+                "model, dtype, --block-size, device and attention backend")
     if not set(a.transports) & set(b.transports):
         return f"no common KV transport ({list(a.transports)} vs {list(b.transports)})"
     if a.vocab_size != b.vocab_size or a.max_model_len != b.max_model_len:
-        return "model limits differ (vocab size or max_model_len)"
+        return (f"model limits differ (vocab size {b.vocab_size} vs {a.vocab_size}, max_model_len "
+                f"{b.max_model_len} vs {a.max_model_len}); serve the same model with the same --max-model-len")
     return None

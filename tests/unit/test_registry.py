@@ -1,0 +1,96 @@
+"""gateway.workers' registry side: joining, refusal, heartbeats, drain, expiry (no servers:
+Worker channels are opened lazily by grpc.aio and never used here)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from gateway.workers import WorkerPool
+from protos import worker_pb2
+
+
+def info(worker_id: str, role: str = "decode", block_size: int = 32, **kw) -> worker_pb2.WorkerInfo:
+    return worker_pb2.WorkerInfo(worker_id=worker_id, role=role, vocab_size=100, max_model_len=4096,
+                                 transports=kw.pop("transports", ["shm", "tcp"]),
+                                 layout=worker_pb2.KvLayout(num_layers=30, block_size=block_size, dtype="float32"), **kw)
+
+
+def run(fn):
+    async def wrapped():
+        pool = WorkerPool()
+        try:
+            return fn(pool)
+        finally:
+            await pool.close()
+    return asyncio.run(wrapped())
+
+
+def test_a_registered_worker_is_routable_at_once():
+    def scenario(pool):
+        pool.register(info("p1", "prefill"), "10.0.0.1:1", "", now_s=0.0)
+        pool.register(info("d1"), "10.0.0.2:1", "http://10.0.0.2:9/metrics", now_s=0.0)
+        return pool.ready(), [w.state for w in pool.workers], pool.by_id("d1").source
+
+    assert run(scenario) == (True, ["ready", "ready"], "registered")
+
+
+def test_an_incompatible_worker_is_refused_naming_what_differs():
+    def scenario(pool):
+        pool.register(info("d1"), "h1:1", "", now_s=0.0)
+        with pytest.raises(ValueError) as e:
+            pool.register(info("d2", block_size=64), "h2:1", "", now_s=0.0)
+        with pytest.raises(ValueError, match="no common KV transport"):
+            pool.register(info("d3", transports=["nccl"]), "h3:1", "", now_s=0.0)
+        return str(e.value), len(pool.workers)
+
+    message, count = run(scenario)
+    assert "block_size 64 vs 32" in message and "decode worker d2 at h2:1 cannot join" in message
+    assert count == 1
+
+
+def test_a_restarted_worker_replaces_its_old_entry():
+    def scenario(pool):
+        pool.register(info("old"), "h1:1", "", now_s=0.0)
+        pool.register(info("new"), "h1:1", "", now_s=5.0)
+        return [w.worker_id for w in pool.workers]
+
+    assert run(scenario) == ["new"]
+
+
+def test_missed_heartbeats_take_a_worker_out_of_rotation_and_later_forget_it():
+    def scenario(pool):
+        pool.register(info("d1"), "h1:1", "", now_s=0.0)
+        pool.heartbeat("d1", worker_pb2.WorkerLoad(num_running=2), False, now_s=1.0)
+        assert pool.expire_heartbeats(3.9, timeout_s=3.0) == []
+        lost = [w.worker_id for w in pool.expire_heartbeats(4.1, timeout_s=3.0)]
+        state = pool.by_id("d1").state
+        pool.heartbeat("d1", worker_pb2.WorkerLoad(), False, now_s=5.0)  # back
+        back = pool.by_id("d1").state
+        pool.expire_heartbeats(36.0, timeout_s=3.0)  # silent for 10x the timeout: forgotten
+        return lost, state, back, pool.workers
+
+    assert run(scenario) == (["d1"], "down", "ready", [])
+
+
+def test_drain_takes_a_worker_out_of_rotation_and_tells_it_in_the_next_heartbeat():
+    def scenario(pool):
+        pool.register(info("d1"), "h1:1", "", now_s=0.0)
+        assert pool.heartbeat("d1", worker_pb2.WorkerLoad(), False, now_s=0.5) is False
+        pool.drain("d1")
+        told = pool.heartbeat("d1", worker_pb2.WorkerLoad(), True, now_s=1.0)
+        return told, pool.by_id("d1").state, pool.routable("decode"), pool.deregister("d1").worker_id, pool.workers
+
+    assert run(scenario) == (True, "draining", [], "d1", [])
+
+
+def test_unknown_ids_raise_key_error():
+    def scenario(pool):
+        with pytest.raises(KeyError):
+            pool.heartbeat("ghost", worker_pb2.WorkerLoad(), False, now_s=0.0)
+        with pytest.raises(KeyError):
+            pool.drain("ghost")
+        return pool.deregister("ghost")
+
+    assert run(scenario) is None

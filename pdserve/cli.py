@@ -163,7 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
                "flags take a comma-separated list; on/off flags take 1/true/yes/on or 0/false/no/off.")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("up", help="start gateway + one prefill + one decode worker on this host")
+    p = sub.add_parser("up", help="start the gateway and its prefill and decode workers on this host, supervised")
     _model_arg(p)
     _engine_args(p)
     p.add_argument("--host", default="127.0.0.1", help="gateway bind address")
@@ -171,6 +171,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics-port", type=int, default=9400,
                    help="Prometheus ports: gateway here, prefill +1, decode +2 (0: off)")
     p.add_argument("--ready-timeout-s", type=float, default=300.0)
+    p.add_argument("--prefill", type=int, default=1, metavar="N", help="prefill workers")
+    p.add_argument("--decode", type=int, default=1, metavar="M", help="decode workers")
     p.add_argument("--kv-transport", default="auto", choices=("auto", "shm", "tcp", "nccl"),
                    help="KV transport between the tiers (auto: shared memory, both run here)")
     p.add_argument("--kv-lease-s", type=float, default=30.0,

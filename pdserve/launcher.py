@@ -1,4 +1,6 @@
-"""`pdserve up`: gateway, one prefill and one decode worker as separate processes on this host.
+"""`pdserve up`: the gateway and its prefill and decode workers as processes on this host,
+supervised: a worker (or the gateway) that dies is restarted with backoff and rejoins; the
+stack stops only when asked (SIGTERM / Ctrl-C).
 
 Each child runs in its own session (process group), so stopping it also stops the vLLM
 engine-core process it spawned: SIGTERM to the group, then SIGKILL after a grace period.
@@ -22,14 +24,26 @@ import psutil
 STOP_GRACE_S = 15.0
 
 
+RESTART_BACKOFF_S = (1.0, 2.0, 4.0, 8.0, 16.0, 30.0)
+# A child up this long has recovered: its next crash restarts it after the shortest delay.
+STABLE_S = 60.0
+
+
 @dataclass
 class Child:
     name: str
     argv: list[str]
+    restart: bool = False
     proc: subprocess.Popen | None = None
     ready: threading.Event = field(default_factory=threading.Event)
+    env: dict[str, str] = field(default_factory=dict)
+    started_s: float = 0.0
+    num_restarts: int = 0
+    restart_at_s: float | None = None
 
     def start(self, env: dict[str, str]) -> None:
+        self.env = env
+        self.started_s = time.monotonic()
         self.proc = subprocess.Popen(
             self.argv,
             stdout=subprocess.PIPE,
@@ -112,6 +126,27 @@ class Stack:
         for child in self.children:
             child.start(env)
 
+    def supervise(self, now_s: float | None = None) -> None:
+        """Restarts children that died, after a backoff that grows while they keep dying."""
+        now_s = time.monotonic() if now_s is None else now_s
+        for child in self.children:
+            if child.alive():
+                continue
+            if child.restart_at_s is None:
+                if now_s - child.started_s >= STABLE_S:
+                    child.num_restarts = 0
+                delay = RESTART_BACKOFF_S[min(child.num_restarts, len(RESTART_BACKOFF_S) - 1)]
+                code = child.proc.returncode if child.proc is not None else None
+                print(f"pdserve: {child.name} exited (code {code}); restarting in {delay:.0f} s",
+                      file=sys.stderr, flush=True)
+                _reap_group(child)
+                child.restart_at_s = now_s + delay
+            elif now_s >= child.restart_at_s:
+                child.num_restarts += 1
+                child.restart_at_s = None
+                child.ready.clear()
+                child.start(child.env)
+
     def wait_ready(self, timeout_s: float) -> None:
         """Blocks until the gateway reports SERVING; raises if a child dies or time runs out."""
         import grpc
@@ -157,6 +192,11 @@ class Stack:
                 pass
 
 
+def _reap_group(child: Child) -> None:
+    """A dead worker's engine-core process may outlive it: end its process group."""
+    child.signal(signal.SIGKILL)
+
+
 def _descendants(child: Child) -> list[psutil.Process]:
     if not child.alive():
         return []
@@ -167,35 +207,42 @@ def _descendants(child: Child) -> list[psutil.Process]:
 
 
 def build_stack(args) -> Stack:
-    """Children for `pdserve up`, from its parsed arguments."""
-    py = [sys.executable, "-m", "pdserve.cli"]
-    prefill_port, decode_port = free_port(), free_port()
+    """Children for `pdserve up`, from its parsed arguments: the gateway, then
+    ``--prefill`` prefill and ``--decode`` decode workers that register with it."""
     from pdserve.cli import policy_argv
 
+    py = [sys.executable, "-m", "pdserve.cli"]
+    connect_host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
+    gateway_address = f"{connect_host}:{args.port}"
     prefill_cpus, decode_cpus = core_split(args.cores)
-    common = ["--model", args.model, "--kv-cache-gib", str(args.kv_cache_gib), "--block-size", str(args.block_size)]
+    common = ["--model", args.model, "--kv-cache-gib", str(args.kv_cache_gib), "--block-size", str(args.block_size),
+              "--kv-lease-s", str(args.kv_lease_s), "--kv-timeout-s", str(args.kv_timeout_s),
+              "--gateway", gateway_address]
     if args.max_model_len:
         common += ["--max-model-len", str(args.max_model_len)]
     if args.json_logs:
         common.append("--json-logs")
-    common += ["--kv-lease-s", str(args.kv_lease_s), "--kv-timeout-s", str(args.kv_timeout_s)]
+    # Metrics ports: gateway +0, prefill workers +1.., decode workers after them.
     metrics = (lambda i: ["--metrics-port", str(args.metrics_port + i)]) if args.metrics_port else (lambda i: [])
-    children = [
-        Child("prefill", [*py, "prefill", "--port", str(prefill_port), *common, *metrics(1),
-                          *(["--cpus", prefill_cpus] if prefill_cpus else []),
-                          *(["--sched", args.prefill_sched] if args.cores == "shared" else [])]),
-        Child("decode", [*py, "decode", "--port", str(decode_port), *common, *metrics(2),
-                         *(["--cpus", decode_cpus] if decode_cpus else [])]),
-        Child("gateway", [*py, "gateway", "--host", args.host, "--port", str(args.port), "--model", args.model,
-                          "--prefill", f"127.0.0.1:{prefill_port}", "--decode", f"127.0.0.1:{decode_port}",
-                          "--kv-transport", args.kv_transport, *metrics(0), *policy_argv(args),
-                          *(["--json-logs"] if args.json_logs else [])]),
-    ]
-    connect_host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
-    return Stack(children, f"{connect_host}:{args.port}")
+    children = [Child("gateway", [*py, "gateway", "--host", args.host, "--port", str(args.port), "--model", args.model,
+                                  "--kv-transport", args.kv_transport, *metrics(0), *policy_argv(args),
+                                  *(["--json-logs"] if args.json_logs else [])])]
+    for role, count, cpus, offset in (("prefill", args.prefill, prefill_cpus, 1),
+                                      ("decode", args.decode, decode_cpus, 1 + args.prefill)):
+        for i in range(count):
+            name = role if count == 1 else f"{role}{i}"
+            # A fixed port, so a restarted worker comes back at the address the gateway knows.
+            argv = [*py, role, "--port", str(free_port()), *common, *metrics(offset + i),
+                    *(["--cpus", cpus] if cpus else [])]
+            if role == "prefill" and args.cores == "shared":
+                argv += ["--sched", args.prefill_sched]
+            children.append(Child(name, argv, restart=True))
+    return Stack(children, gateway_address)
 
 
 def up(args) -> int:
+    if args.prefill < 1 or args.decode < 1:
+        raise ValueError(f"--prefill and --decode need at least one worker each, got {args.prefill} and {args.decode}")
     stack = build_stack(args)
     stopping = threading.Event()
 
@@ -219,11 +266,8 @@ def up(args) -> int:
             return 1
         print(f"pdserve ready at {stack.gateway_address} ({time.monotonic() - started:.0f} s)", flush=True)
         while not stopping.is_set():
-            dead = [c.name for c in stack.children if not c.alive()]
-            if dead:
-                print(f"pdserve: {', '.join(dead)} exited; stopping", file=sys.stderr, flush=True)
-                return 1
-            stopping.wait(1.0)
+            stack.supervise()
+            stopping.wait(0.5)
         return 0
     finally:
         print("pdserve: stopping", file=sys.stderr, flush=True)

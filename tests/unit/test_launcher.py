@@ -1,0 +1,78 @@
+"""pdserve.launcher: the children `pdserve up` starts, core allocation, supervision."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import pytest
+
+from pdserve import launcher
+from pdserve.launcher import Child, Stack, build_stack, core_split
+
+
+def up_args(**kw) -> argparse.Namespace:
+    from pdserve.cli import build_parser
+
+    args = build_parser().parse_args(["up", "--model", "/m", *kw.pop("argv", [])])
+    return args
+
+
+def test_core_allocation():
+    cores = sorted(os.sched_getaffinity(0))
+    every = ",".join(map(str, cores))
+    assert core_split("shared") == (every, every)
+    if len(cores) >= 2:
+        half = len(cores) // 2
+        assert core_split("split") == (",".join(map(str, cores[:half])), ",".join(map(str, cores[half:])))
+
+
+def test_up_starts_the_gateway_then_workers_that_register_with_it():
+    stack = build_stack(up_args(argv=["--port", "6000", "--metrics-port", "9000", "--prefill", "2", "--decode", "1"]))
+    names = [c.name for c in stack.children]
+    assert names == ["gateway", "prefill0", "prefill1", "decode"]
+    assert stack.gateway_address == "127.0.0.1:6000"
+    for child in stack.children[1:]:
+        argv = child.argv
+        assert argv[argv.index("--gateway") + 1] == "127.0.0.1:6000" and child.restart
+    metrics = [c.argv[c.argv.index("--metrics-port") + 1] for c in stack.children]
+    assert metrics == ["9000", "9001", "9002", "9003"]
+    # Shared cores by default: prefill engines at idle priority, decode at normal.
+    assert [c.argv[c.argv.index("--sched") + 1] for c in stack.children[1:3]] == ["idle", "idle"]
+    assert "--sched" not in stack.children[3].argv
+    assert "--prefill" not in stack.children[0].argv  # no static worker list: they register
+
+
+def test_split_cores_run_no_engine_at_idle_priority():
+    stack = build_stack(up_args(argv=["--cores", "split"]))
+    assert all("--sched" not in c.argv for c in stack.children)
+
+
+def test_a_dead_child_is_restarted_after_a_growing_backoff(monkeypatch):
+    starts = []
+    child = Child("decode", [sys.executable, "-c", "raise SystemExit(1)"], restart=True)
+    monkeypatch.setattr(Child, "start", lambda self, env: (starts.append(env), setattr(self, "started_s", now[0])))
+    monkeypatch.setattr(Child, "alive", lambda self: False)
+    monkeypatch.setattr(launcher, "_reap_group", lambda c: None)
+    stack = Stack([child], "127.0.0.1:1")
+    now = [100.0]
+    child.started_s, child.env = 100.0, {"A": "1"}
+
+    def tick(t: float) -> int:
+        now[0] = t
+        stack.supervise(t)
+        return len(starts)
+
+    # Died at once: restarts after 1 s, then 2 s, then 4 s.
+    assert [tick(100.5), tick(101.4), tick(101.6)] == [0, 0, 1]
+    assert [tick(101.7), tick(103.6), tick(103.8)] == [1, 1, 2]
+    assert [tick(103.9), tick(107.8), tick(108.0)] == [2, 2, 3]
+    # Up for a minute before dying again: back to the shortest delay.
+    assert [tick(170.0), tick(171.1)] == [3, 4]
+    assert starts[-1] == {"A": "1"}
+
+
+def test_up_refuses_an_empty_tier():
+    with pytest.raises(ValueError, match="at least one worker each"):
+        launcher.up(up_args(argv=["--decode", "0"]))

@@ -158,7 +158,7 @@ class Dispatcher:
         self._arm_timer()
 
     def _place(self, ticket: Ticket, now: float, remote_open: bool) -> Placement | None:
-        matched = self._prefix_index().matched_tokens(ticket.prompt_token_ids) if ticket.prompt_token_ids else {}
+        matched = self._prefix_index().matched_tokens(self._prefix_keys(ticket))
         prefill = [w.prefill_load(matched.get(w.address, 0)) for w in self._workers.routable("prefill")]
         decode = [w.decode_load(now) for w in self._workers.routable("decode")]
         return place(ticket.num_prompt_tokens, ticket.num_prompt_tokens + ticket.max_tokens,
@@ -170,8 +170,7 @@ class Dispatcher:
             worker.queued_tokens += ticket.num_prompt_tokens
             worker.num_prefills += 1
             worker.prefill_meter.start(now)
-            if ticket.prompt_token_ids:
-                self._prefix_index().record(ticket.prompt_token_ids, worker.address)
+            self._prefix_index().record(self._prefix_keys(ticket), worker.address)
             return None
         seat = self._seat(ticket)
         seat.local_prefill_tokens = ticket.num_prompt_tokens
@@ -206,6 +205,11 @@ class Dispatcher:
             info = next((w.info for w in self._workers.workers if w.info is not None), None)
             self._prefixes = PrefixIndex(info.layout.block_size if info else 32)
         return self._prefixes
+
+    def _prefix_keys(self, ticket: Ticket) -> list[int]:
+        if ticket.prefix_keys is None:
+            ticket.prefix_keys = self._prefix_index().keys(ticket.prompt_token_ids)
+        return ticket.prefix_keys
 
     @staticmethod
     def _seat(ticket: Ticket) -> Seat:

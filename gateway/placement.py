@@ -174,7 +174,8 @@ class PrefixIndex:
         self._max_blocks = max_blocks
         self._owner: OrderedDict[int, str] = OrderedDict()
 
-    def _keys(self, token_ids: tuple[int, ...]) -> list[int]:
+    def keys(self, token_ids: tuple[int, ...]) -> list[int]:
+        """The chained keys of a prompt's leading full blocks (computed once per request)."""
         keys, h = [], 0
         num_blocks = min(len(token_ids) // self.block_size, self._max_blocks)
         for i in range(num_blocks):
@@ -182,18 +183,18 @@ class PrefixIndex:
             keys.append(h)
         return keys
 
-    def matched_tokens(self, token_ids: tuple[int, ...]) -> dict[str, int]:
-        """Per worker, how many leading tokens of this prompt it prefilled last."""
+    def matched_tokens(self, keys: list[int]) -> dict[str, int]:
+        """Per worker, how many leading tokens of the prompt with these keys it prefilled last."""
         out: dict[str, int] = {}
-        for i, key in enumerate(self._keys(token_ids)):
+        for i, key in enumerate(keys):
             owner = self._owner.get(key)
             if owner is None:
                 break
             out[owner] = (i + 1) * self.block_size
         return out
 
-    def record(self, token_ids: tuple[int, ...], worker: str) -> None:
-        for key in self._keys(token_ids):
+    def record(self, keys: list[int], worker: str) -> None:
+        for key in keys:
             self._owner[key] = worker
             self._owner.move_to_end(key)
         while len(self._owner) > self._max_entries:

@@ -57,6 +57,8 @@ class Ticket:
     ttft_slo_s: float | None = None
     tpot_slo_s: float | None = None
     prompt_token_ids: tuple[int, ...] = ()
+    # Prefix-cache keys of the prompt's leading blocks (placement's, computed once).
+    prefix_keys: list[int] | None = None
     seq: int = 0  # arrival order, set by the queue
 
     @property

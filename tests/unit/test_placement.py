@@ -115,20 +115,22 @@ def test_decode_slack_is_the_tightest_running_request_margin():
 
 def test_prefix_index_matches_whole_leading_blocks():
     index = PrefixIndex(block_size=4)
+    keys = index.keys
     a = tuple(range(10))  # blocks [0-3], [4-7]; 8, 9 are a partial block
-    index.record(a, "p0")
-    assert index.matched_tokens(a) == {"p0": 8}
-    assert index.matched_tokens(tuple(range(4)) + (99, 98, 97, 96)) == {"p0": 4}
-    assert index.matched_tokens((99,) + a[1:]) == {}
-    index.record(tuple(range(4)) + (50, 51, 52, 53), "p1")
-    assert index.matched_tokens(a) == {"p1": 4, "p0": 8}
+    assert len(keys(a)) == 2
+    index.record(keys(a), "p0")
+    assert index.matched_tokens(keys(a)) == {"p0": 8}
+    assert index.matched_tokens(keys(tuple(range(4)) + (99, 98, 97, 96))) == {"p0": 4}
+    assert index.matched_tokens(keys((99,) + a[1:])) == {}
+    index.record(keys(tuple(range(4)) + (50, 51, 52, 53)), "p1")
+    assert index.matched_tokens(keys(a)) == {"p1": 4, "p0": 8}
     index.forget("p0")
-    assert index.matched_tokens(a) == {"p1": 4}
+    assert index.matched_tokens(keys(a)) == {"p1": 4}
 
 
 def test_prefix_index_is_bounded():
     index = PrefixIndex(block_size=2, max_entries=3)
-    index.record((1, 2, 3, 4), "p0")
-    index.record((5, 6, 7, 8), "p1")  # 4 keys: the oldest, (1, 2), is forgotten
-    assert index.matched_tokens((1, 2, 3, 4)) == {}
-    assert index.matched_tokens((5, 6, 7, 8)) == {"p1": 4}
+    index.record(index.keys((1, 2, 3, 4)), "p0")
+    index.record(index.keys((5, 6, 7, 8)), "p1")  # 4 keys: the oldest, (1, 2), is forgotten
+    assert index.matched_tokens(index.keys((1, 2, 3, 4))) == {}
+    assert index.matched_tokens(index.keys((5, 6, 7, 8))) == {"p1": 4}

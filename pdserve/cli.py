@@ -64,6 +64,14 @@ def cmd_up(args) -> int:
     return up(args)
 
 
+def _worker_transports(text: str) -> tuple[str, ...]:
+    if text == "auto":
+        from pdserve.gpus import default_kv_transports
+
+        return default_kv_transports()
+    return tuple(t for t in text.split(",") if t)
+
+
 def cmd_worker(args) -> int:
     _resolve_model(args)
     cfg = WorkerConfig(
@@ -79,7 +87,8 @@ def cmd_worker(args) -> int:
         max_num_seqs=args.max_num_seqs,
         enforce_eager=not args.compile,
         dtype=args.dtype,
-        kv_transports=tuple(t for t in args.kv_transport.split(",") if t),
+        kv_transports=_worker_transports(args.kv_transport),
+        gpu_memory_utilization=args.gpu_memory_utilization,
         kv_tcp_port=args.kv_tcp_port,
         kv_nccl_port=args.kv_nccl_port,
         kv_host=args.kv_host,
@@ -173,8 +182,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ready-timeout-s", type=float, default=300.0)
     p.add_argument("--prefill", type=int, default=1, metavar="N", help="prefill workers")
     p.add_argument("--decode", type=int, default=1, metavar="M", help="decode workers")
-    p.add_argument("--kv-transport", default="auto", choices=("auto", "shm", "tcp", "nccl"),
-                   help="KV transport between the tiers (auto: shared memory, both run here)")
+    p.add_argument("--kv-transport", default="auto", choices=("auto", "shm", "tcp", "nccl", "cuda_ipc"),
+                   help="KV transport between the tiers (auto: shared memory on CPU, CUDA IPC on a GPU; "
+                        "both tiers run here)")
     p.add_argument("--kv-lease-s", type=float, default=30.0,
                    help="seconds a prompt's KV waits for its decode worker")
     p.add_argument("--kv-timeout-s", type=float, default=10.0, help="KV socket operations give up after this")
@@ -196,15 +206,18 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--host", default="127.0.0.1")
         p.add_argument("--port", type=int, default=0, help="0: any free port (printed in the READY line)")
         p.add_argument("--cpus", default=None, help="cores for the engine's threads, e.g. 0 or 0-3")
+        p.add_argument("--gpu-memory-utilization", type=float, default=None,
+                       help="GPU: fraction of the GPU's memory this engine may take (vLLM's; default 0.9)")
         p.add_argument("--sched", choices=("normal", "idle"), default="normal",
                        help="idle: the engine yields its cores to any other work (SCHED_IDLE)")
         p.add_argument("--max-num-seqs", type=int, default=64)
         p.add_argument("--compile", action="store_true", help="torch.compile the model (slow first boot)")
         p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
                        help="compute dtype (auto: the model's where the hardware has native bf16, else float32)")
-        p.add_argument("--kv-transport", default="shm,tcp,nccl",
+        p.add_argument("--kv-transport", default="auto",
                        help="KV transports served (prefill) or read (decode), comma-separated: "
-                            "shm, tcp, nccl (gloo on CPU), cuda_ipc")
+                            "shm, tcp, nccl (gloo on CPU), cuda_ipc; auto: cuda_ipc,tcp,nccl where the "
+                            "engine has a GPU, else shm,tcp,nccl")
         p.add_argument("--kv-tcp-port", type=int, default=0, help="prefill: tcp transport port (0: free)")
         p.add_argument("--kv-nccl-port", type=int, default=0, help="prefill: nccl transport port (0: free)")
         p.add_argument("--kv-host", default=None, help="prefill: address decode workers reach the "

@@ -20,6 +20,8 @@ class WorkerConfig:
     cpus: str | None = None
     # "idle": the engine yields its cores to any other work (pdserve.sched); "normal".
     sched: str = "normal"
+    # GPU engines: the fraction of the GPU's memory this engine may take (None: vLLM's 0.9).
+    gpu_memory_utilization: float | None = None
     # KV cache size in GiB on a CPU engine (VLLM_CPU_KVCACHE_SPACE).
     kv_cache_gib: int = 2
     # Tokens per KV block. CPU attention needs a multiple of 32.
@@ -59,6 +61,8 @@ class WorkerConfig:
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+        if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.sched not in ("normal", "idle"):
             raise ValueError(f"--sched must be normal or idle, got {self.sched!r}")
         if self.block_size <= 0 or self.block_size % 16:

@@ -75,6 +75,7 @@ def build_engine(cfg: WorkerConfig, stat_loggers: list | None = None) -> AsyncLL
         enable_prefix_caching=cfg.enable_prefix_caching,
         kv_transfer_config=kv_config,
         disable_log_stats=False,
+        **({"gpu_memory_utilization": cfg.gpu_memory_utilization} if cfg.gpu_memory_utilization else {}),
     )
     return AsyncLLM.from_engine_args(args, stat_loggers=stat_loggers)
 

@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 
 import psutil
 
+from pdserve import gpus
+
 STOP_GRACE_S = 15.0
 
 
@@ -40,6 +42,8 @@ class Child:
     started_s: float = 0.0
     num_restarts: int = 0
     restart_at_s: float | None = None
+    # Set for this child only (a worker's GPU).
+    env_overrides: dict[str, str] = field(default_factory=dict)
 
     def start(self, env: dict[str, str]) -> None:
         self.env = env
@@ -49,7 +53,7 @@ class Child:
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
-            env=env,
+            env={**env, **self.env_overrides},
             start_new_session=True,
             text=True,
             bufsize=1,
@@ -227,16 +231,23 @@ def build_stack(args) -> Stack:
     children = [Child("gateway", [*py, "gateway", "--host", args.host, "--port", str(args.port), "--model", args.model,
                                   "--kv-transport", args.kv_transport, *metrics(0), *policy_argv(args),
                                   *(["--json-logs"] if args.json_logs else [])])]
+    on_gpus = gpus.assign(gpus.visible_gpus(), args.prefill, args.decode)
     for role, count, cpus, offset in (("prefill", args.prefill, prefill_cpus, 1),
                                       ("decode", args.decode, decode_cpus, 1 + args.prefill)):
         for i in range(count):
             name = role if count == 1 else f"{role}{i}"
             # A fixed port, so a restarted worker comes back at the address the gateway knows.
-            argv = [*py, role, "--port", str(free_port()), *common, *metrics(offset + i),
-                    *(["--cpus", cpus] if cpus else [])]
-            if role == "prefill" and args.cores == "shared":
-                argv += ["--sched", args.prefill_sched]
-            children.append(Child(name, argv, restart=True))
+            argv = [*py, role, "--port", str(free_port()), *common, *metrics(offset + i)]
+            env = {}
+            if on_gpus is not None:
+                gpu = on_gpus[role == "decode"][i]
+                env["CUDA_VISIBLE_DEVICES"] = gpu.cuda_visible_devices
+                argv += ["--gpu-memory-utilization", str(gpu.gpu_memory_utilization)]
+            else:
+                argv += ["--cpus", cpus] if cpus else []
+                if role == "prefill" and args.cores == "shared":
+                    argv += ["--sched", args.prefill_sched]
+            children.append(Child(name, argv, restart=True, env_overrides=env))
     return Stack(children, gateway_address)
 
 

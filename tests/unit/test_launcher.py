@@ -76,3 +76,12 @@ def test_a_dead_child_is_restarted_after_a_growing_backoff(monkeypatch):
 def test_up_refuses_an_empty_tier():
     with pytest.raises(ValueError, match="at least one worker each"):
         launcher.up(up_args(argv=["--decode", "0"]))
+
+
+def test_on_a_gpu_machine_each_tier_gets_its_gpu(monkeypatch):
+    monkeypatch.setattr(launcher.gpus, "visible_gpus", lambda: ["0", "1"])
+    stack = build_stack(up_args())
+    prefill, decode = stack.children[1], stack.children[2]
+    assert (prefill.env_overrides, decode.env_overrides) == ({"CUDA_VISIBLE_DEVICES": "0"}, {"CUDA_VISIBLE_DEVICES": "1"})
+    assert all(c.argv[c.argv.index("--gpu-memory-utilization") + 1] == "0.9" for c in (prefill, decode))
+    assert all("--cpus" not in c.argv and "--sched" not in c.argv for c in (prefill, decode))

@@ -11,7 +11,10 @@ from __future__ import annotations
 import re
 import urllib.request
 
-_SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{((?:[^"}]|"(?:[^"\\]|\\.)*")*)\})? (\S+)(?: \S+)?$', re.M)
+# name, {labels} (a quoted value may hold any character), value, optional timestamp
+_SAMPLE = re.compile(
+    r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{((?:[^"}]|"(?:[^"\\]|\\.)*")*)\})? (\S+)(?: \S+)?$', re.M
+)
 _LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
 
 
@@ -54,7 +57,9 @@ def _namespace(name: str) -> str:
     return name.split(":")[0] if ":" in name else name.split("_")[0]
 
 
-def sample_sum(port: int, name: str, labels: str = "", host: str = "127.0.0.1", default: float | None = None) -> float:
+def sample_sum(
+    port: int, name: str, labels: str = "", host: str = "127.0.0.1", default: float | None = None
+) -> float:
     """``body_sum`` of ``host:port/metrics``."""
     try:
         return body_sum(scrape(port, host), name, labels, default)

@@ -114,7 +114,7 @@ def _remove_orphan_kv_cache(worker_id: str) -> None:
     while has_shared_cache(worker_id) and time.monotonic() < deadline:
         time.sleep(0.1)
     if has_shared_cache(worker_id):
-        logger.warning("the engine process holding this worker's KV cache in /dev/shm has not exited; leaving it")
+        logger.warning("the engine process holding this worker's /dev/shm KV cache is still running")
     sweep_orphan_caches()
     drop_leases(worker_id)
 

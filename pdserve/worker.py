@@ -1,27 +1,39 @@
 """What both worker tiers share: engine start, metrics, the gRPC server's lifecycle.
 
-A worker process: multiprocess Prometheus directory (the engine-core process records KV
-transfer metrics there) -> vLLM engine -> gRPC server with health and reflection -> prints
+A worker process: SIGTERM/SIGINT end it cleanly from here on -> multiprocess Prometheus
+directory (this process records vLLM's engine metrics there, the engine-core process our KV
+transfer metrics) -> vLLM engine -> gRPC server with health and reflection -> prints
 ``READY host:port`` -> registers with its gateway if given one (pdserve/membership.py) ->
 serves until SIGTERM/SIGINT or the gateway asks it to drain -> out of rotation and
 NOT_SERVING, in-flight requests finish (up to --drain-grace-s), deregisters, stops the
-engine. A gateway that refuses it (incompatible with its tier) stops it with exit code 3.
+engine -> removes the metrics directory and any KV cache its engine left in /dev/shm (also
+when stopped at any point of its start-up). A gateway that refuses it (incompatible with its
+tier) stops it with exit code 3.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
+import signal
 import sys
 import tempfile
-from collections.abc import Awaitable, Callable
+import time
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 from pdserve.config import WorkerConfig
 from pdserve.logs import setup_logging
 
 logger = logging.getLogger(__name__)
+
+METRICS_DIR_PREFIX = "pdserve-metrics-"
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+# How long a stopping worker waits for its engine's processes to exit before it removes the
+# KV cache they left in /dev/shm (`pdserve up` kills what is left 15 s after SIGTERM).
+KV_OWNER_EXIT_WAIT_S = 5.0
 
 # (server, engine, cfg) -> the gRPC service's full name (for health and reflection) and
 # what the worker serves (WorkerInfo, for the registry).
@@ -33,17 +45,80 @@ def run_worker(cfg: WorkerConfig, add_servicer: AddServicer, background: Callabl
 
     cfg = resolve_kv_ports(cfg)
     setup_logging(f"{cfg.role}[{cfg.worker_id}]", json_logs=cfg.json_logs)
-    # Must precede the first prometheus_client import in this process and the engine-core
-    # spawn, which inherits it.
-    metrics_dir = tempfile.TemporaryDirectory(prefix=f"pdserve-metrics-{cfg.worker_id}-")
-    os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir.name
-    import uvloop
+    _exit_on_stop_signals()
+    with worker_files(cfg.worker_id):
+        import uvloop
 
-    try:
         uvloop.run(_serve(cfg, add_servicer, background))
-    finally:
-        metrics_dir.cleanup()
     return 0
+
+
+def _exit_on_stop_signals() -> None:
+    """Until the server takes the signals over, SIGTERM/SIGINT raise SystemExit wherever
+    start-up is (importing, waiting for the engine core), so vLLM stops its processes and
+    ``worker_files`` removes ours; SIGTERM's default action would skip both."""
+
+    def stop(signum: int, frame: object) -> None:
+        _ignore_stop_signals()  # a second signal must not cut that clean-up short
+        logger.info("%s during start-up; stopping", signal.Signals(signum).name)
+        raise SystemExit(128 + signum)
+
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, stop)
+
+
+def _ignore_stop_signals() -> None:
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+
+
+@contextlib.contextmanager
+def worker_files(worker_id: str) -> Iterator[str]:
+    """A fresh PROMETHEUS_MULTIPROC_DIR for this process and the engine processes it
+    spawns (they inherit it); on the way out, however start-up or serving ended, it is
+    removed, and so is the KV cache in /dev/shm of an engine that did not remove it.
+
+    prometheus_client chooses between in-memory and file-backed metric values when it is
+    first imported, and the tier's server module has imported it (through vLLM) long before
+    this runs: in-memory values would keep vLLM's engine metrics, which its stat logger
+    records in this process, out of the multiprocess collector. So the choice is made again
+    here; every metric created from now on (vLLM's, built with the engine) writes to the
+    directory. Metrics created before (our KV transfer metrics, at import) stay in memory
+    here, but they are recorded only in the engine processes.
+    """
+    from prometheus_client import values
+
+    # A stop signal waits until the directory exists and TemporaryDirectory's finalizer
+    # knows it, so none leaves it behind.
+    signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        metrics_dir = tempfile.TemporaryDirectory(prefix=f"{METRICS_DIR_PREFIX}{worker_id}-")
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+    try:
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir.name
+        values.ValueClass = values.get_value_class()
+        yield metrics_dir.name
+    finally:
+        _ignore_stop_signals()
+        _remove_orphan_kv_cache(worker_id)
+        metrics_dir.cleanup()
+
+
+def _remove_orphan_kv_cache(worker_id: str) -> None:
+    """vLLM's model-runner process places a prefill worker's KV cache in /dev/shm and
+    unlinks it in an atexit hook, which a process forked by multiprocessing never runs (seen
+    when it is stopped during start-up). Once that process is gone, its cache and the
+    leases naming it are removed here."""
+    from kvtransfer.shm import drop_leases, has_shared_cache, sweep_orphan_caches
+
+    deadline = time.monotonic() + KV_OWNER_EXIT_WAIT_S
+    while has_shared_cache(worker_id) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if has_shared_cache(worker_id):
+        logger.warning("the engine process holding this worker's /dev/shm KV cache is still running")
+    sweep_orphan_caches()
+    drop_leases(worker_id)
 
 
 async def _serve(cfg: WorkerConfig, add_servicer: AddServicer, background) -> None:

@@ -66,10 +66,10 @@ class _Worker:
             if found:
                 self.address = found.group(1)
 
-    def metric_sum(self, name: str, labels: str) -> float:
+    def metric_sum(self, name: str, labels: str, default: float | None = None) -> float:
         from pdserve.prom import sample_sum
 
-        return sample_sum(self.metrics_port, name, labels)
+        return sample_sum(self.metrics_port, name, labels, default=default)
 
     def stop(self) -> None:
         import signal
@@ -119,8 +119,8 @@ def run(args: argparse.Namespace) -> int:
 
         def one(transport: str) -> tuple[float, float, float, float]:
             prompt = [rng.randrange(1000, 40000) for _ in range(args.prompt_tokens)]
-            send0 = prefill.metric_sum("pdserve_kv_transfer_duration_seconds_sum", f'transport="{transport}",direction="send"')
-            recv0 = decode.metric_sum("pdserve_kv_transfer_duration_seconds_sum", f'transport="{transport}",direction="recv"')
+            send0 = prefill.metric_sum("pdserve_kv_transfer_duration_seconds_sum", f'transport="{transport}",direction="send"', 0.0)
+            recv0 = decode.metric_sum("pdserve_kv_transfer_duration_seconds_sum", f'transport="{transport}",direction="recv"', 0.0)
             t0 = time.perf_counter()
             first = prefill_stub.Prefill(worker_pb2.PrefillRequest(
                 request_id=uuid.uuid4().hex, token_ids=prompt, sampling=sampling, kv_transport=transport), timeout=120)

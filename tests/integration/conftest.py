@@ -121,9 +121,10 @@ class StackHandle:
         with grpc.insecure_channel(self.worker_addrs[role]) as ch:
             return stub_cls(ch).Info(worker_pb2.InfoRequest(), timeout=5)
 
-    def metric(self, offset: int, name: str, labels: str = "") -> float:
-        """A sample's value from a process's /metrics (gateway +0, prefill +1, decode +2)."""
-        return sample_sum(self.metrics_port + offset, name, labels)
+    def metric(self, offset: int, name: str, labels: str = "", default: float | None = None) -> float:
+        """A sample's value from a process's /metrics (gateway +0, prefill +1, decode +2);
+        raises MetricAbsent when it has none, unless a ``default`` is given."""
+        return sample_sum(self.metrics_port + offset, name, labels, default=default)
 
 
 @pytest.fixture(scope="session")

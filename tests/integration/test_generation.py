@@ -30,9 +30,10 @@ def test_decode_engine_receives_the_prompt_kv_instead_of_computing_it(stack, tok
     # Fresh prompts (offsets no other test uses): nothing of them is in either prefix cache.
     # Both longer than the stack's --local-prefill-max-tokens (256), so the prefill tier runs them.
     prompts = [stream[700:700 + 297], stream[1000:1000 + 480]]
-    received = stack.metric(2, "pdserve_kv_transfer_tokens_total", 'direction="recv"')
-    sent = stack.metric(1, "pdserve_kv_transfer_tokens_total", 'direction="send"')
-    handed_off = stack.metric(0, "pdserve_kv_handoff_tokens_total")
+    # Baselines: a counter no request has touched yet has no sample.
+    received = stack.metric(2, "pdserve_kv_transfer_tokens_total", 'direction="recv"', default=0.0)
+    sent = stack.metric(1, "pdserve_kv_transfer_tokens_total", 'direction="send"', default=0.0)
+    handed_off = stack.metric(0, "pdserve_kv_handoff_tokens_total", default=0.0)
     for prompt in prompts:
         replies = generate(stack, token_ids=prompt, sampling={"max_tokens": 8, "temperature": 0, "ignore_eos": True})
         assert replies[-1].usage.completion_tokens == 8

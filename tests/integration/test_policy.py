@@ -50,7 +50,7 @@ def prompts(tokenizer):
 
 
 def queue_length(stack, priority: str) -> float:
-    return stack.metric(0, "pdserve_queue_length", f'priority="{priority}"')
+    return stack.metric(0, "pdserve_queue_length", f'priority="{priority}"', default=0.0)
 
 
 def wait_for(predicate, timeout_s: float = 60.0) -> None:
@@ -82,7 +82,7 @@ def test_interactive_request_is_dispatched_ahead_of_queued_offline_prompts(stack
 
 def test_a_burst_beyond_capacity_with_a_tight_ttft_objective_is_refused_at_once(stack, prompts):
     call(stack, request(prompts(10, 600), "burst-warm", ttft_ms=0))  # the prefill rate is measured
-    refused_before = stack.metric(0, "pdserve_refusals_total", 'reason="ttft_slo"')
+    refused_before = stack.metric(0, "pdserve_refusals_total", 'reason="ttft_slo"', default=0.0)
     burst = [request(prompts(11 + i, 600), f"burst-{i}", ttft_ms=3000) for i in range(12)]
     started = time.monotonic()
     with ThreadPoolExecutor(len(burst)) as pool:
@@ -116,7 +116,7 @@ def _outcome(stack, req) -> tuple[grpc.StatusCode, float, float | None]:
 
 
 def test_a_request_whose_deadline_passes_in_the_queue_never_reaches_a_worker(stack, prompts):
-    expired_before = stack.metric(0, "pdserve_queue_expired_total", 'priority="offline"')
+    expired_before = stack.metric(0, "pdserve_queue_expired_total", 'priority="offline"', default=0.0)
     busy = [request(prompts(30 + i, 1400), f"deadline-busy-{i}", OFFLINE) for i in range(2)]
     late = request(prompts(32, 600), "deadline-late", OFFLINE)
     with ThreadPoolExecutor(2) as pool:
@@ -129,16 +129,16 @@ def test_a_request_whose_deadline_passes_in_the_queue_never_reaches_a_worker(sta
         assert time.monotonic() - started < 5
         for f in running:
             f.result()
-    wait_for(lambda: stack.metric(0, "pdserve_queue_expired_total", 'priority="offline"') > expired_before, 10)
+    wait_for(lambda: stack.metric(0, "pdserve_queue_expired_total", 'priority="offline"', default=0.0) > expired_before, 10)
     assert stack.metric(0, "pdserve_queue_expired_total", 'priority="offline"') - expired_before == 1
     assert prefill_order(stack, {"deadline-late"}) == []
     assert not any("deadline-late" in line for line in stack.log if line.startswith("[decode]"))
 
 
 def test_a_short_prompt_is_placed_on_the_decode_worker_and_a_long_one_on_the_prefill_tier(stack, prompts):
-    local_before = stack.metric(0, "pdserve_placements_total", 'where="local"')
-    remote_before = stack.metric(0, "pdserve_placements_total", 'where="remote"')
-    handoff_before = stack.metric(0, "pdserve_kv_handoff_tokens_total")
+    local_before = stack.metric(0, "pdserve_placements_total", 'where="local"', default=0.0)
+    remote_before = stack.metric(0, "pdserve_placements_total", 'where="remote"', default=0.0)
+    handoff_before = stack.metric(0, "pdserve_kv_handoff_tokens_total", default=0.0)
     short = call(stack, request(prompts(40, 40), "place-short", max_tokens=4))
     long = call(stack, request(prompts(41, 900), "place-long", max_tokens=4))
     assert [r.usage.completion_tokens for r in (short[-1], long[-1])] == [4, 4]

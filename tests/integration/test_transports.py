@@ -66,8 +66,8 @@ def release(address: str, kv) -> None:
         worker_pb2_grpc.PrefillWorkerStub(channel).Release(worker_pb2.ReleaseRequest(kv=kv), timeout=10)
 
 
-def metric(metrics_port: int, name: str, labels: str = "") -> float:
-    return sample_sum(metrics_port, name, labels)
+def metric(metrics_port: int, name: str, labels: str = "", default: float | None = None) -> float:
+    return sample_sum(metrics_port, name, labels, default=default)
 
 
 def wait_idle(*metrics_ports: int, timeout_s: float = 20.0) -> float:
@@ -171,8 +171,9 @@ def fresh_prompt(tokenizer, offset: int, length: int = 96) -> list[int]:
 def test_greedy_output_through_each_transport_is_identical_to_colocated(stack, transport, transport_prompts, references):
     prompt = transport_prompts[transport]
     prefill_port, decode_port = stack_ports(stack)
-    sent = metric(prefill_port, "pdserve_kv_transfer_tokens_total", f'transport="{transport}",direction="send"')
-    received = metric(decode_port, "pdserve_kv_transfer_tokens_total", f'transport="{transport}",direction="recv"')
+    # Baselines: a transport no request has used yet has no sample.
+    sent = metric(prefill_port, "pdserve_kv_transfer_tokens_total", f'transport="{transport}",direction="send"', 0.0)
+    received = metric(decode_port, "pdserve_kv_transfer_tokens_total", f'transport="{transport}",direction="recv"', 0.0)
 
     first = prefill(stack.worker_addrs["prefill"], prompt, transport)
     assert first.kv.transport == transport

@@ -97,6 +97,8 @@ class Reason(str, Enum):
     QUEUE_FULL = "queue_full"
     TTFT = "ttft_slo"
     TPOT = "tpot_slo"
+    # Admitted, then the queue grew past what its objective allows.
+    TTFT_QUEUED = "ttft_slo_queued"
 
 
 @dataclass(frozen=True, slots=True)

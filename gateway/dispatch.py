@@ -150,12 +150,32 @@ class Dispatcher:
                     remote_open = False
                 continue
             self.queue.take(ticket)
+            if self._hopeless(ticket, placement, now):
+                continue
             seat = self._reserve(ticket, placement, now)
             metrics.QUEUE_WAIT.labels(ticket.priority.label).observe(now - ticket.arrival_s)
             metrics.PLACEMENTS.labels(placement.where.value).inc()
             self._waiting.pop(ticket).set_result(Grant(placement, seat))
         self._observe_queue()
         self._arm_timer()
+
+    def _hopeless(self, ticket: Ticket, placement: Placement, now: float) -> bool:
+        """A queued request whose first token can no longer come within its objective is
+        refused now (its wait is over either way) rather than take prefill time from the
+        requests behind it that still can make theirs."""
+        if not self._admission or ticket.ttft_slo_s is None or placement.predicted_ttft_s is None:
+            return False
+        ttft_s = now - ticket.arrival_s + placement.predicted_ttft_s
+        if ttft_s <= ticket.ttft_slo_s:
+            return False
+        metrics.REFUSALS.labels(ticket.priority.label, Reason.TTFT_QUEUED.value).inc()
+        self._waiting.pop(ticket).set_exception(Refused(Refusal(
+            Reason.TTFT_QUEUED,
+            f"after {now - ticket.arrival_s:.2f} s in the queue, the predicted time to first token "
+            f"{ttft_s:.2f} s exceeds the request's objective of {ticket.ttft_slo_s:.2f} s; retry later, "
+            "as a lower priority or with a looser slo.ttft_ms",
+            min(max(ttft_s - ticket.ttft_slo_s, 0.5), 60.0))))
+        return True
 
     def _place(self, ticket: Ticket, now: float, remote_open: bool) -> Placement | None:
         matched = self._prefix_index().matched_tokens(self._prefix_keys(ticket))

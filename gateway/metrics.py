@@ -45,7 +45,8 @@ QUEUE_WAIT = Histogram(
 ADMISSIONS = Counter("pdserve_admissions", "Requests admitted to the queue, by class.", ["priority"])
 REFUSALS = Counter(
     "pdserve_refusals",
-    "Requests refused with RESOURCE_EXHAUSTED, by class and reason (queue_full, ttft_slo, tpot_slo).",
+    "Requests refused with RESOURCE_EXHAUSTED, by class and reason: queue_full, ttft_slo and tpot_slo "
+    "at arrival, ttft_slo_queued when a queued request can no longer meet its TTFT objective.",
     ["priority", "reason"],
 )
 EXPIRED = Counter(

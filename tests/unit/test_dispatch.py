@@ -171,3 +171,22 @@ def test_decode_seats_wait_when_every_decode_worker_is_full():
         return worker.address, len(d0.seats)
 
     assert run(scenario()) == ("d0", 8)
+
+
+def test_a_queued_request_that_can_no_longer_meet_its_ttft_objective_is_refused_at_dispatch():
+    async def scenario():
+        d, pool, clock = dispatcher(local_prefill_max_tokens=0, prefill_queue_tokens=600)
+        p0 = pool.by_address("p0")
+        p0.prefill_meter.start(0.0)
+        p0.prefill_meter.finish(1000, 10.0)  # 100 tok/s
+        busy = await d.acquire(ticket("busy", 500))
+        late = asyncio.create_task(d.acquire(ticket("late", 300, ttft=5.0)))  # waits: the budget holds "busy"
+        fine = asyncio.create_task(d.acquire(ticket("fine", 300, ttft=9.0)))
+        await asyncio.sleep(0)
+        clock.now = 104.0  # "busy" done after 4 s (rate now 1500 tok / 14 s): "late" would finish at 6.8 s > 5 s
+        d.prefill_done(p0, ticket("busy", 500), 0)
+        with pytest.raises(Refused, match="after 4.00 s in the queue, the predicted time to first token 6.80 s"):
+            await late
+        return busy.placement.where, (await fine).placement.where
+
+    assert run(scenario()) == (Where.REMOTE, Where.REMOTE)

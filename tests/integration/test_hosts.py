@@ -146,8 +146,12 @@ WORKERS = """
     from protos import worker_pb2, worker_pb2_grpc
     from google.protobuf import json_format
     stub = worker_pb2_grpc.RegistryStub(grpc.insecure_channel("{gateway}"))
-    reply = stub.ListWorkers(worker_pb2.ListWorkersRequest(), timeout=5)
-    print(json.dumps(json_format.MessageToDict(reply, preserving_proto_field_name=True).get("workers", [])))
+    try:
+        reply = stub.ListWorkers(worker_pb2.ListWorkersRequest(), timeout=5)
+    except grpc.RpcError as e:  # the gateway is not listening yet
+        print(json.dumps(None))
+    else:
+        print(json.dumps(json_format.MessageToDict(reply, preserving_proto_field_name=True).get("workers", [])))
 """
 
 GENERATE = """
@@ -178,14 +182,15 @@ RECEIVED = """
 """
 
 
-def list_workers(net: Hosts) -> list[dict]:
+def list_workers(net: Hosts) -> list[dict] | None:
+    """The gateway's workers; None while the gateway does not answer."""
     return net.run("gateway", WORKERS.format(gateway=net.gateway))
 
 
 def wait_ready(net: Hosts, roles: list[str], timeout_s: float = BOOT_TIMEOUT_S) -> list[dict]:
     deadline = time.monotonic() + timeout_s
     while True:
-        ready = [w for w in list_workers(net) if w["state"] == "ready"]
+        ready = [w for w in list_workers(net) or [] if w["state"] == "ready"]
         if sorted(w["role"] for w in ready) == sorted(roles):
             return ready
         assert time.monotonic() < deadline, f"workers not ready in {timeout_s} s: {ready}\n" + net.log("gateway")[-3000:]

@@ -73,23 +73,30 @@ def _bucket(num_running: int) -> int:
 
 @dataclass(slots=True)
 class StepMeter:
-    """A decode worker's seconds per output token, by batch-size bucket (EWMA)."""
+    """A decode worker's seconds per output token, by batch-size bucket (EWMA).
+
+    Only recent measurements count (``max_age_s``): admission refuses requests that would
+    grow the batch past a slow bucket, so that bucket would otherwise never be measured
+    again and one slow stretch (a local prefill's stall) would keep refusing forever.
+    """
 
     alpha: float = 0.2
-    _by_bucket: dict[int, float] = field(default_factory=dict)
+    max_age_s: float = 20.0
+    _by_bucket: dict[int, tuple[float, float]] = field(default_factory=dict)  # bucket -> (value, when)
 
-    def observe(self, num_running: int, seconds_per_token: float) -> None:
+    def observe(self, num_running: int, seconds_per_token: float, now_s: float) -> None:
         b = _bucket(num_running)
         old = self._by_bucket.get(b)
-        self._by_bucket[b] = seconds_per_token if old is None else old + self.alpha * (seconds_per_token - old)
+        value = seconds_per_token if old is None else old[0] + self.alpha * (seconds_per_token - old[0])
+        self._by_bucket[b] = (value, now_s)
 
-    def predict(self, num_running: int) -> float | None:
+    def predict(self, num_running: int, now_s: float) -> float | None:
         """The time per token at this batch size: its bucket's, or the nearest measured
-        smaller bucket's (a larger batch is never faster); None before any measurement."""
+        smaller bucket's (a larger batch is never faster); None with nothing recent."""
         b = _bucket(num_running)
-        known = [k for k in self._by_bucket if k <= b]
+        known = [k for k, (_, when) in self._by_bucket.items() if k <= b and now_s - when <= self.max_age_s]
         if known:
-            return self._by_bucket[max(known)]
+            return self._by_bucket[max(known)][0]
         return None
 
 

@@ -98,7 +98,7 @@ class Dispatcher:
             if known:
                 ttft = min(known) if ttft is None else min(ttft, min(known))
         steps = [s for w in self._workers.routable("decode")
-                 if (s := w.step_meter.predict(len(w.seats) + 1)) is not None]
+                 if (s := w.step_meter.predict(len(w.seats) + 1, now)) is not None]
         waited = now - ticket.arrival_s
         return Forecast(None if ttft is None else ttft + waited, min(steps) if steps else None)
 
@@ -288,7 +288,7 @@ class Dispatcher:
     def tokens(self, worker: Worker, seat: Seat, num_tokens: int, gap_s: float) -> None:
         seat.num_generated += num_tokens
         if num_tokens:
-            worker.step_meter.observe(len(worker.seats), gap_s / num_tokens)
+            worker.step_meter.observe(len(worker.seats), gap_s / num_tokens, self._clock())
 
     def release(self, worker: Worker, seat: Seat) -> None:
         if seat.local_prefill_tokens:  # ended before its first token

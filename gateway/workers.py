@@ -106,7 +106,7 @@ class Worker:
         local_tokens = sum(s.local_prefill_tokens for s in self.seats)
         local_tps = self.local_meter.tokens_per_s
         slack = decode_slack_s([s.view() for s in self.seats],
-                               self.step_meter.predict(len(self.seats)), now_s)
+                               self.step_meter.predict(len(self.seats), now_s), now_s)
         if local_tps and local_tokens:
             slack = max(0.0, slack - local_tokens / local_tps)  # stalls already on their way
         return DecodeLoad(

@@ -55,14 +55,25 @@ def test_service_meter_cancel_leaves_no_sample():
 
 def test_step_meter_predicts_from_the_nearest_smaller_bucket():
     s = StepMeter(alpha=0.5)
-    assert s.predict(1) is None
-    s.observe(1, 0.040)
-    s.observe(3, 0.060)  # bucket 4
-    s.observe(4, 0.080)  # bucket 4: EWMA 0.070
-    assert s.predict(1) == pytest.approx(0.040)
-    assert s.predict(2) == pytest.approx(0.040)  # bucket 2 unmeasured: bucket 1's
-    assert s.predict(4) == pytest.approx(0.070)
-    assert s.predict(16) == pytest.approx(0.070)
+    assert s.predict(1, 0.0) is None
+    s.observe(1, 0.040, 0.0)
+    s.observe(3, 0.060, 0.0)  # bucket 4
+    s.observe(4, 0.080, 0.0)  # bucket 4: EWMA 0.070
+    assert s.predict(1, 0.0) == pytest.approx(0.040)
+    assert s.predict(2, 0.0) == pytest.approx(0.040)  # bucket 2 unmeasured: bucket 1's
+    assert s.predict(4, 0.0) == pytest.approx(0.070)
+    assert s.predict(16, 0.0) == pytest.approx(0.070)
+
+
+def test_step_meter_forgets_a_bucket_not_measured_lately():
+    s = StepMeter(max_age_s=20.0)
+    s.observe(1, 0.040, 0.0)
+    s.observe(2, 0.300, 5.0)  # one slow stretch at batch 2
+    s.observe(1, 0.045, 24.0)
+    assert s.predict(2, 25.0) == pytest.approx(0.300)  # still recent
+    # Refusals kept the batch at 1 since: batch 2's old value no longer counts.
+    assert s.predict(2, 25.1) == pytest.approx(0.041)
+    assert s.predict(1, 50.0) is None
 
 
 def test_predicted_ttft_is_work_ahead_plus_own_prompt_over_rate():

@@ -181,8 +181,9 @@ class Dispatcher:
         matched = self._prefix_index().matched_tokens(self._prefix_keys(ticket))
         prefill = [w.prefill_load(matched.get(w.address, 0)) for w in self._workers.routable("prefill")]
         decode = [w.decode_load(now) for w in self._workers.routable("decode")]
+        budget = None if ticket.ttft_slo_s is None else ticket.arrival_s + ticket.ttft_slo_s - now
         return place(ticket.num_prompt_tokens, ticket.num_prompt_tokens + ticket.max_tokens,
-                     prefill, decode, self._placement, remote_open)
+                     prefill, decode, self._placement, remote_open, budget if self._admission else None)
 
     def _reserve(self, ticket: Ticket, placement: Placement, now: float) -> Seat | None:
         worker = self._workers.by_address(placement.worker)

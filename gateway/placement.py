@@ -79,14 +79,22 @@ class Placement:
 
 
 def place(num_prompt_tokens: int, kv_tokens: int, prefill: list[PrefillLoad], decode: list[DecodeLoad],
-          cfg: PlacementConfig, remote_open: bool = True) -> Placement | None:
+          cfg: PlacementConfig, remote_open: bool = True, ttft_budget_s: float | None = None) -> Placement | None:
     """Where to prefill a prompt now; None: nowhere has room, wait.
 
     ``kv_tokens`` is what the request holds on a decode worker (prompt + max_tokens).
     ``remote_open`` False keeps the prefill tier for a ticket ahead that waits for it.
+    ``ttft_budget_s``: time left to its TTFT objective. When the prefill tier would miss it
+    and a decode worker would not, the decode worker takes the prompt even beyond its
+    running requests' slack: a sure miss now is worse than a stall they may absorb.
     """
     remote = _best_remote(num_prompt_tokens, prefill, cfg) if remote_open else None
     local = _best_local(num_prompt_tokens, kv_tokens, decode, cfg)
+    if local is None and ttft_budget_s is not None and (
+            remote is None or remote.predicted_ttft_s is None or remote.predicted_ttft_s > ttft_budget_s):
+        rescue = _best_local(num_prompt_tokens, kv_tokens, decode, cfg, within_slack=False)
+        if rescue is not None and rescue.predicted_ttft_s is not None and rescue.predicted_ttft_s <= ttft_budget_s:
+            return rescue
     if local is None or remote is None:
         return local or remote
     if next(d for d in decode if d.worker == local.worker).idle:
@@ -110,7 +118,7 @@ def _best_remote(num_prompt_tokens: int, prefill: list[PrefillLoad], cfg: Placem
 
 
 def _best_local(num_prompt_tokens: int, kv_tokens: int, decode: list[DecodeLoad],
-                cfg: PlacementConfig) -> Placement | None:
+                cfg: PlacementConfig, within_slack: bool = True) -> Placement | None:
     if num_prompt_tokens > cfg.local_prefill_max_tokens:
         return None
     best: tuple[tuple[float, int], Placement] | None = None
@@ -118,7 +126,7 @@ def _best_local(num_prompt_tokens: int, kv_tokens: int, decode: list[DecodeLoad]
         if not d.has_seat(kv_tokens):
             continue
         stall_s = num_prompt_tokens / d.local_tokens_per_s if d.local_tokens_per_s else None
-        if not d.idle and (stall_s is None or stall_s > d.slack_s):
+        if not d.idle and (stall_s is None or (within_slack and stall_s > d.slack_s)):
             continue
         eta = (d.local_prefill_tokens + num_prompt_tokens) / d.local_tokens_per_s if d.local_tokens_per_s else None
         key = (math.inf if eta is None else eta, d.num_running)

@@ -65,6 +65,17 @@ def test_an_idle_decode_worker_prefills_a_short_prompt_even_if_the_tier_is_faste
     assert p.where is Where.LOCAL
 
 
+def test_a_decode_worker_takes_a_short_prompt_beyond_its_slack_when_the_tier_would_miss_its_ttft():
+    workers = [prefill(tps=20.0)]  # 100 tokens: 5 s on the starved prefill tier
+    busy = [decode(running=3, tps=200.0, slack=0.1)]  # 0.5 s stall > 0.1 s slack
+    assert place(100, 200, workers, busy, CFG).where is Where.REMOTE
+    assert place(100, 200, workers, busy, CFG, ttft_budget_s=10.0).where is Where.REMOTE
+    rescued = place(100, 200, workers, busy, CFG, ttft_budget_s=1.0)
+    assert (rescued.where, rescued.predicted_ttft_s) == (Where.LOCAL, pytest.approx(0.5))
+    # Neither makes it: the tier, which disturbs no one.
+    assert place(100, 200, workers, busy, CFG, ttft_budget_s=0.2).where is Where.REMOTE
+
+
 def test_unmeasured_local_rate_prefills_locally_only_on_an_idle_decode_worker():
     assert place(64, 80, [prefill()], [decode(tps=None)], CFG).where is Where.LOCAL
     assert place(64, 80, [prefill()], [decode(running=1, tps=None)], CFG).where is Where.REMOTE

@@ -17,6 +17,7 @@ measured time per token. Placement (gateway/placement.py) reads it as value obje
 from __future__ import annotations
 
 import asyncio
+import time
 import logging
 from dataclasses import dataclass, field
 
@@ -262,10 +263,13 @@ class WorkerPool:
     async def _poll(self, worker: Worker) -> None:
         healthy = await rpc.check_health(worker.channel)
         if worker.source == "registered":
-            # Heartbeats say it is alive; a failed health check says it is gone now.
+            # A failed health check says it is gone now; an answered one is as good as a
+            # heartbeat (a busy host may delay heartbeats, not a live worker's answers).
             if not healthy and worker.healthy:
                 logger.info("%s worker %s at %s is down", worker.role, worker.worker_id, worker.address)
                 worker.healthy = False
+            elif healthy and worker.last_heartbeat_s is not None:
+                worker.last_heartbeat_s = max(worker.last_heartbeat_s, time.monotonic())
             return
         if healthy and not worker.healthy:
             worker.info = None  # a restarted worker is a new engine: ask again

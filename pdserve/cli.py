@@ -32,9 +32,9 @@ def _policy_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--policy", choices=GATEWAY_POLICIES, default="slo",
                    help="slo: classes by weight, earliest deadline first, admission by predicted "
                         "latency; fifo: arrival order, no admission beyond the queue bounds")
-    g.add_argument("--slo-ttft-ms", default="10000,60000,0",
+    g.add_argument("--slo-ttft-ms", default="0,0,0",
                    help="default time-to-first-token objective per class, ms (0: none)")
-    g.add_argument("--slo-tpot-ms", default="1000,0,0",
+    g.add_argument("--slo-tpot-ms", default="0,0,0",
                    help="default time-per-output-token objective per class, ms (0: none)")
     g.add_argument("--class-weights", default="8,2,1", help="share of prefill work per class")
     g.add_argument("--queue-limits", default="256,512,1024", help="queued requests per class")
@@ -247,7 +247,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--decode", action="append", default=[],
                    help="decode worker host:port (repeatable); more can join with `pdserve decode --gateway`")
     p.add_argument("--heartbeat-interval-s", type=float, default=1.0, help="registered workers heartbeat this often")
-    p.add_argument("--heartbeat-timeout-s", type=float, default=3.0,
+    p.add_argument("--heartbeat-timeout-s", type=float, default=10.0,
                    help="a registered worker silent this long leaves rotation")
     p.add_argument("--tokenizer-workers", type=int, default=1)
     p.add_argument("--max-inflight", type=int, default=256)

@@ -130,10 +130,11 @@ class GatewayConfig:
     # Serving policy: "slo" (classes by weight, EDF, admission by predicted latency) or
     # "fifo" (arrival order, no admission beyond the queue bounds).
     policy: str = "slo"
-    # Per class (interactive, batch, offline): default objectives in ms (0: none), weights
+    # Per class (interactive, batch, offline): default objectives in ms (0: none; a request
+    # without objectives, its own or its class's, is never refused by prediction), weights
     # of the share of prefill work, queue bounds.
-    slo_ttft_ms: tuple[int, int, int] = (10_000, 60_000, 0)
-    slo_tpot_ms: tuple[int, int, int] = (1_000, 0, 0)
+    slo_ttft_ms: tuple[int, int, int] = (0, 0, 0)
+    slo_tpot_ms: tuple[int, int, int] = (0, 0, 0)
     class_weights: tuple[float, float, float] = (8.0, 2.0, 1.0)
     queue_limits: tuple[int, int, int] = (256, 512, 1024)
     # A queued request older than this is served next, whatever its class.
@@ -147,7 +148,7 @@ class GatewayConfig:
     stream_intervals: tuple[int, int, int] = (1, 4, 8)
     # Registered workers heartbeat this often and leave rotation after this much silence.
     heartbeat_interval_s: float = 1.0
-    heartbeat_timeout_s: float = 3.0
+    heartbeat_timeout_s: float = 10.0
     # Attempts at a request whose worker fails before its first token was streamed.
     max_attempts: int = 3
 

@@ -149,8 +149,11 @@ class WorkerPool:
             if problem:
                 raise ValueError(f"{info.role} worker {info.worker_id} at {address} cannot join: {problem}")
         old = next((w for w in self.workers if w.address == address or w.worker_id == info.worker_id), None)
-        if old is not None and (old.address != address or old.role != info.role):
+        if old is not None and (old.address != address or old.role != info.role or old.worker_id != info.worker_id):
+            # Another engine (a restarted worker): a fresh channel, since the old one may sit
+            # in reconnect backoff after the process it talked to died.
             self.workers.remove(old)
+            asyncio.ensure_future(old.channel.close())
             old = None
         worker = old or _open(info.role, address)
         if old is None:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from pdserve import rpc
 from protos import worker_pb2, worker_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -118,7 +119,7 @@ class RegistrationRefused(Exception):
 class Membership:
     def __init__(self, gateway: str, info: worker_pb2.WorkerInfo, address: str, metrics_url: str,
                  engine_load: EngineLoad, inflight: InflightInterceptor, drain: asyncio.Event) -> None:
-        self._channel = grpc.aio.insecure_channel(gateway)
+        self._channel = grpc.aio.insecure_channel(gateway, options=rpc.CHANNEL_OPTIONS)
         self._stub = worker_pb2_grpc.RegistryStub(self._channel)
         self._gateway = gateway
         self._request = worker_pb2.RegisterRequest(info=info, address=address, metrics_url=metrics_url)

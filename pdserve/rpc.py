@@ -179,4 +179,8 @@ CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", 64 * 1024 * 1024),
     ("grpc.max_send_message_length", 64 * 1024 * 1024),
     ("grpc.keepalive_time_ms", 30_000),
+    # A restarted peer is back within seconds: retry connecting at least every 2 s (gRPC's
+    # default backoff grows to 120 s, failing every call fast meanwhile).
+    ("grpc.initial_reconnect_backoff_ms", 500),
+    ("grpc.max_reconnect_backoff_ms", 2_000),
 ]

@@ -50,13 +50,14 @@ def test_an_incompatible_worker_is_refused_naming_what_differs():
     assert count == 1
 
 
-def test_a_restarted_worker_replaces_its_old_entry():
+def test_a_restarted_worker_replaces_its_old_entry_with_a_fresh_channel():
     def scenario(pool):
-        pool.register(info("old"), "h1:1", "", now_s=0.0)
-        pool.register(info("new"), "h1:1", "", now_s=5.0)
-        return [w.worker_id for w in pool.workers]
+        old = pool.register(info("old"), "h1:1", "", now_s=0.0)
+        new = pool.register(info("new"), "h1:1", "", now_s=5.0)
+        again = pool.register(info("new"), "h1:1", "", now_s=6.0)  # the same engine again: kept
+        return [w.worker_id for w in pool.workers], new is not old, again is new
 
-    assert run(scenario) == ["new"]
+    assert run(scenario) == (["new"], True, True)
 
 
 def test_missed_heartbeats_take_a_worker_out_of_rotation_and_later_forget_it():

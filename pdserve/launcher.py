@@ -194,6 +194,11 @@ class Stack:
                 proc.kill()
             except psutil.NoSuchProcess:
                 pass
+        psutil.wait_procs(descendants, timeout=5)
+        # What a worker killed before it could clean up left behind (its metrics directory).
+        from pdserve.worker import sweep_orphan_metrics_dirs
+
+        sweep_orphan_metrics_dirs()
 
 
 def _reap_group(child: Child) -> None:

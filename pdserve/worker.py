@@ -46,6 +46,9 @@ def run_worker(cfg: WorkerConfig, add_servicer: AddServicer, background: Callabl
     cfg = resolve_kv_ports(cfg)
     setup_logging(f"{cfg.role}[{cfg.worker_id}]", json_logs=cfg.json_logs)
     _exit_on_stop_signals()
+    swept = sweep_orphan_metrics_dirs()
+    if swept:
+        logger.info("removed %d metrics directories of killed workers: %s", len(swept), swept)
     with worker_files(cfg.worker_id):
         import uvloop
 
@@ -92,7 +95,7 @@ def worker_files(worker_id: str) -> Iterator[str]:
     # knows it, so none leaves it behind.
     signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     try:
-        metrics_dir = tempfile.TemporaryDirectory(prefix=f"{METRICS_DIR_PREFIX}{worker_id}-")
+        metrics_dir = tempfile.TemporaryDirectory(prefix=f"{METRICS_DIR_PREFIX}{worker_id}-{os.getpid()}-")
     finally:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
     try:
@@ -103,6 +106,30 @@ def worker_files(worker_id: str) -> Iterator[str]:
         _ignore_stop_signals()
         _remove_orphan_kv_cache(worker_id)
         metrics_dir.cleanup()
+
+
+def sweep_orphan_metrics_dirs(tmp: str | None = None) -> list[str]:
+    """Removes the metrics directories of workers that died without cleaning up (SIGKILL):
+    their names carry the worker's pid. Run by a starting worker and by `pdserve up`."""
+    import shutil
+    from pathlib import Path
+
+    import psutil
+
+    removed = []
+    for path in Path(tmp or tempfile.gettempdir()).glob(f"{METRICS_DIR_PREFIX}*-*-*"):
+        parts = path.name[len(METRICS_DIR_PREFIX):].split("-")
+        if len(parts) < 3 or not parts[1].isdigit():
+            continue
+        pid = int(parts[1])
+        try:
+            alive = psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            alive = False
+        if not alive:
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path.name)
+    return removed
 
 
 def _remove_orphan_kv_cache(worker_id: str) -> None:

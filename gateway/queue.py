@@ -13,6 +13,9 @@ Order (policy ``slo``):
      that was empty rejoins at the current virtual time, so idling banks no credit.
   3. Within a class: earliest due time first (EDF), then arrival order. A ticket is due at
      the earlier of its first-token objective (arrival + TTFT SLO) and its hard deadline.
+     A deadline is only as precise as gRPC sends it (`deadline_precision_s`): of the
+     tickets that may be due first within that precision, the earliest arrival goes first,
+     so calls with the same timeout are served in arrival order.
 
 Policy ``fifo`` ignores classes and objectives: arrival order, one queue.
 Queues are bounded per class; a ticket whose hard deadline has passed is expired, never
@@ -53,6 +56,9 @@ class Ticket:
     arrival_s: float
     # Hard limit (the call's gRPC deadline), absolute on the caller's clock; None: none.
     deadline_s: float | None = None
+    # How much earlier than deadline_s the caller's own deadline may be (gRPC rounds the
+    # timeout it sends up to its encoding's unit; `deadline_precision_s`).
+    deadline_precision_s: float = 0.0
     # Objectives; None: not constrained.
     ttft_slo_s: float | None = None
     tpot_slo_s: float | None = None
@@ -71,8 +77,44 @@ class Ticket:
             due = min(due, self.deadline_s)
         return due
 
+    @property
+    def earliest_due_s(self) -> float:
+        """The earliest the caller may mean its first token to be due."""
+        due = self.due_s
+        if self.deadline_s is not None and due == self.deadline_s:
+            due -= self.deadline_precision_s
+        return due
+
     def expired(self, now_s: float) -> bool:
         return self.deadline_s is not None and now_s >= self.deadline_s
+
+
+def deadline_precision_s(remaining_s: float) -> float:
+    """How precisely a server knows a call's deadline, from the time remaining at arrival.
+
+    gRPC sends a timeout rounded up to its encoding's unit: 1 ms under 1 s, 10 ms under
+    10 s, 100 ms under 100 s, then whole seconds. Measured with grpc 1.85: a 300.0 s
+    timeout arrives as 301 s and a 299.25 s one as 300 s, so of two calls with a 300 s
+    timeout the later may seem due first. One unit, and a millisecond for reading it.
+    """
+    unit = 0.001 if remaining_s < 1 else 0.01 if remaining_s < 10 else 0.1 if remaining_s < 100 else 1.0
+    return unit + 0.001
+
+
+MAX_DEADLINE_PRECISION_S = deadline_precision_s(math.inf)
+
+
+def first_due(tickets: list[Ticket]) -> Ticket:
+    """The ticket to serve first of a class's queue, kept sorted by (due, arrival): the
+    earliest arrival among those that may be due no later than the surely earliest due."""
+    first_due_s = tickets[0].due_s
+    best = tickets[0]
+    for t in tickets[1:]:
+        if t.due_s - MAX_DEADLINE_PRECISION_S > first_due_s:
+            break  # sorted by due: nothing further may qualify
+        if t.earliest_due_s <= first_due_s and t.seq < best.seq:
+            best = t
+    return best
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,7 +151,7 @@ class _ClassQueue:
     pass_value: float = 0.0
 
     def head(self) -> Ticket | None:
-        return self.tickets[0] if self.tickets else None
+        return first_due(self.tickets) if self.tickets else None
 
     def oldest(self) -> Ticket | None:
         return min(self.tickets, key=lambda t: t.seq, default=None)
@@ -235,7 +277,7 @@ class RequestQueue:
             _, p, t = min(aged, key=lambda x: x[0])
             return p, t
         p = min((p for p, ts in heads.items() if ts), key=lambda p: (passes[p], p))
-        return p, heads[p][0]
+        return p, first_due(heads[p])
 
     @staticmethod
     def _key(t: Ticket) -> tuple[float, float]:

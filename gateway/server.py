@@ -29,7 +29,7 @@ import grpc
 from gateway import metrics
 from gateway.dispatch import ClassObjectives, Dispatcher
 from gateway.placement import PlacementConfig, Where
-from gateway.queue import ClassPolicy, Priority, RequestQueue, Ticket
+from gateway.queue import ClassPolicy, Priority, RequestQueue, Ticket, deadline_precision_s
 from gateway.request import Job, check_prompt_fits, parse_request
 from gateway.stream import ClassObserver, Stream
 from gateway.text import load_tokenizer
@@ -163,7 +163,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             num_prompt_tokens=len(prompt_ids),
             max_tokens=job.sampling.max_tokens,
             arrival_s=arrival_s,
-            deadline_s=None if time_remaining_s is None else time.monotonic() + time_remaining_s,
+            deadline_s=None if time_remaining_s is None else arrival_s + time_remaining_s,
+            deadline_precision_s=0.0 if time_remaining_s is None else deadline_precision_s(time_remaining_s),
             ttft_slo_s=ttft_s,
             tpot_slo_s=tpot_s,
             prompt_token_ids=tuple(prompt_ids),

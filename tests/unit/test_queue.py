@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.queue import ClassPolicy, Priority, QueueFull, RequestQueue, Ticket
+from gateway.queue import ClassPolicy, Priority, QueueFull, RequestQueue, Ticket, deadline_precision_s
 
 I, B, O = Priority.INTERACTIVE, Priority.BATCH, Priority.OFFLINE
 
@@ -37,6 +37,35 @@ def test_earliest_deadline_first_within_a_class():
     q.push(ticket("hard", ttft=9.0, deadline=2.0))  # the hard deadline makes it due at 2
     q.push(ticket("late2", ttft=9.0))  # same due time as "late": arrival order
     assert drain(q) == ["soon", "hard", "late", "late2", "none"]
+
+
+@pytest.mark.parametrize("remaining, precision", [(300.9, 1.001), (50.1, 0.101), (5.01, 0.011), (0.5, 0.002)])
+def test_deadline_precision_is_the_unit_grpc_sends_the_timeout_in(remaining, precision):
+    assert deadline_precision_s(remaining) == pytest.approx(precision)
+
+
+def deadlined(name: str, arrival: float, remaining: float, ttft: float | None = None) -> Ticket:
+    """As the gateway makes it: the deadline from the time remaining the server saw."""
+    return Ticket(name, O, 100, 16, arrival, deadline_s=arrival + remaining, ttft_slo_s=ttft,
+                  deadline_precision_s=deadline_precision_s(remaining))
+
+
+def test_same_timeout_calls_are_served_in_arrival_order_despite_deadline_rounding():
+    # Two 300 s calls 0.2 s apart: gRPC sent the first's timeout as 301 s, the second's as
+    # 300 s (seen in CI), so the second's deadline seems 0.8 s sooner. Arrival order wins.
+    q = queue()
+    q.push(deadlined("first", 10.0, 300.999))
+    q.push(deadlined("second", 10.2, 299.999))
+    assert drain(q) == ["first", "second"]
+
+
+def test_a_deadline_sooner_by_more_than_its_precision_still_goes_first():
+    q = queue()
+    q.push(deadlined("long", 10.0, 300.999))
+    q.push(deadlined("shorter", 10.2, 298.5))  # 2.3 s sooner, beyond the 1 s precision
+    q.push(deadlined("tight", 10.3, 5.0))
+    q.push(deadlined("objective", 10.4, 300.999, ttft=2.0))  # its TTFT objective is exact
+    assert drain(q) == ["objective", "tight", "shorter", "long"]
 
 
 def test_classes_share_prefill_work_by_weight_in_tokens():

@@ -1,9 +1,6 @@
 """Workers joining and leaving the shared stack at runtime: a decode worker started by hand
-registers and serves, and is drained with no failed request.
-
-Not here: a SIGKILLed worker under `pdserve up` restarting and serving again. It works by
-hand, but the test of it failed twice in full-suite runs (the restarted decode worker was
-refused connections after registering) and is left out until that is understood."""
+registers and serves, is drained with no failed request, and a SIGKILLed worker under
+`pdserve up` leaves rotation, is restarted and serves again."""
 
 from __future__ import annotations
 
@@ -16,6 +13,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
+import psutil
 import pytest
 
 from pdserve.launcher import free_port
@@ -111,3 +109,28 @@ def test_pdserve_workers_lists_both_tiers(stack):
     listed = json.loads(out)["workers"]
     assert sorted(w["role"] for w in listed if w["state"] == "ready") == ["decode", "prefill"]
     assert all(w["source"] == "registered" and w["address"] for w in listed)
+
+
+def test_a_killed_worker_leaves_rotation_is_restarted_and_serves_again(stack, prompts):
+    before = next(w for w in workers(stack) if w.role == "decode" and w.state == "ready")
+    port = int(before.address.rsplit(":", 1)[1])
+    victim = next(p for p in psutil.Process(stack.proc.pid).children(recursive=True)
+                  if p.cmdline()[3:4] == ["decode"] and str(port) in p.cmdline())
+    mark = len(stack.log)
+    since = lambda: "stack log since the kill:\n" + "".join(stack.log[mark:][-80:])  # noqa: E731
+    killed_at = time.monotonic()
+    victim.send_signal(signal.SIGKILL)
+    wait_until(lambda: all(w.state != "ready" for w in workers(stack) if w.role == "decode"), 15,
+               "the killed decode worker to leave rotation")
+    left_s = time.monotonic() - killed_at
+    back = wait_until(lambda: next((w for w in workers(stack) if w.role == "decode" and w.state == "ready"), None),
+                      JOIN_TIMEOUT_S, "the restarted decode worker")
+    assert back.address == before.address and back.worker_id != before.worker_id, since()
+    try:
+        assert generate(stack, prompts(30)).usage.completion_tokens == 6
+    except grpc.RpcError as e:
+        pytest.fail(f"the restarted worker did not serve: {e.code().name}: {e.details()}\n{since()}")
+    assert any("decode exited" in line and "restarting" in line for line in stack.log[mark:]), since()
+    # Out of rotation at the first failed health check (polled every second), well within
+    # the heartbeat timeout.
+    assert left_s < 10.0, f"took {left_s:.1f} s to leave rotation\n{since()}"

@@ -11,7 +11,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 before_rev=${1:-1c07105}; out=${2:-bench-results/gateway-cpu}
-py=$(realpath "${PYTHON:-.venv/bin/python}")
+# Absolute, without resolving links: a venv's python is a link to the system one, and only
+# through the venv's path does it find the venv's packages.
+py=${PYTHON:-.venv/bin/python}; py="$(cd "$(dirname "$py")" && pwd)/$(basename "$py")"
 root=$(pwd)
 mkdir -p "$out" bench-logs
 tree=$(mktemp -d /tmp/pdserve-before.XXXXXX)

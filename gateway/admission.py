@@ -31,10 +31,17 @@ class ServiceMeter:
     Each completion is charged the time since the later of the previous completion and the
     moment the worker turned busy, so requests batched into one engine step share the step's
     time instead of the second one looking infinitely fast.
+
+    Only completions within ``max_age_s`` count: admission refuses the requests a slow
+    estimate predicts would miss, so with nothing admitted the estimate would never be
+    measured again (seen in the mixed benchmark: a rate from the warm-up's prefills, made
+    while decode held the cores, refused every offline prompt for the whole run). With no
+    recent completion the rate is unknown and the next request is admitted to measure it.
     """
 
     window: int = 8
-    _samples: deque[tuple[int, float]] = field(default_factory=deque)
+    max_age_s: float = 60.0
+    _samples: deque[tuple[int, float, float]] = field(default_factory=deque)  # tokens, busy s, when
     _busy_since_s: float | None = None
     _num_busy: int = 0
 
@@ -45,7 +52,7 @@ class ServiceMeter:
 
     def finish(self, num_tokens: int, now_s: float) -> None:
         assert self._num_busy > 0 and self._busy_since_s is not None
-        self._samples.append((num_tokens, max(now_s - self._busy_since_s, 0.0)))
+        self._samples.append((num_tokens, max(now_s - self._busy_since_s, 0.0), now_s))
         if len(self._samples) > self.window:
             self._samples.popleft()
         self._num_busy -= 1
@@ -57,11 +64,12 @@ class ServiceMeter:
         self._num_busy -= 1
         self._busy_since_s = self._busy_since_s if self._num_busy else None
 
-    @property
-    def tokens_per_s(self) -> float | None:
-        tokens = sum(n for n, _ in self._samples)
-        busy_s = sum(s for _, s in self._samples)
-        if not self._samples or busy_s <= 0 or tokens <= 0:
+    def tokens_per_s(self, now_s: float) -> float | None:
+        """Measured over the recent completions; None: none recent."""
+        recent = [(n, s) for n, s, when in self._samples if now_s - when <= self.max_age_s]
+        tokens = sum(n for n, _ in recent)
+        busy_s = sum(s for _, s in recent)
+        if busy_s <= 0 or tokens <= 0:
             return None
         return tokens / busy_s
 

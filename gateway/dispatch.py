@@ -86,7 +86,7 @@ class Dispatcher:
     def forecast(self, ticket: Ticket) -> Forecast:
         now = self._clock()
         prefill = self._workers.routable("prefill")
-        rates = [r for w in prefill if (r := w.prefill_meter.tokens_per_s)]
+        rates = [r for w in prefill if (r := w.prefill_meter.tokens_per_s(now))]
         in_flight = sum(w.queued_tokens for w in prefill)
         ahead = self.queue.tokens_ahead(ticket, now) + in_flight
         ttft = predict_ttft_s(ahead, ticket.num_prompt_tokens, sum(rates) if rates else None)
@@ -179,7 +179,7 @@ class Dispatcher:
 
     def _place(self, ticket: Ticket, now: float, remote_open: bool) -> Placement | None:
         matched = self._prefix_index().matched_tokens(self._prefix_keys(ticket))
-        prefill = [w.prefill_load(matched.get(w.address, 0)) for w in self._workers.routable("prefill")]
+        prefill = [w.prefill_load(now, matched.get(w.address, 0)) for w in self._workers.routable("prefill")]
         decode = [w.decode_load(now) for w in self._workers.routable("decode")]
         budget = None if ticket.ttft_slo_s is None else ticket.arrival_s + ticket.ttft_slo_s - now
         return place(ticket.num_prompt_tokens, ticket.num_prompt_tokens + ticket.max_tokens,

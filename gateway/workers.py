@@ -99,13 +99,13 @@ class Worker:
     def num_inflight(self) -> int:
         return len(self.seats) if self.role == "decode" else self.num_prefills
 
-    def prefill_load(self, matched_tokens: int = 0) -> PrefillLoad:
-        return PrefillLoad(self.address, self.queued_tokens, self.prefill_meter.tokens_per_s, matched_tokens)
+    def prefill_load(self, now_s: float, matched_tokens: int = 0) -> PrefillLoad:
+        return PrefillLoad(self.address, self.queued_tokens, self.prefill_meter.tokens_per_s(now_s), matched_tokens)
 
     def decode_load(self, now_s: float) -> DecodeLoad:
         assert self.info is not None
         local_tokens = sum(s.local_prefill_tokens for s in self.seats)
-        local_tps = self.local_meter.tokens_per_s
+        local_tps = self.local_meter.tokens_per_s(now_s)
         slack = decode_slack_s([s.view() for s in self.seats],
                                self.step_meter.predict(len(self.seats), now_s), now_s)
         if local_tps and local_tokens:

@@ -18,12 +18,12 @@ from gateway.admission import (
 
 def test_service_meter_counts_busy_time_only():
     m = ServiceMeter()
-    assert m.tokens_per_s is None
+    assert m.tokens_per_s(0.0) is None
     m.start(0.0)
     m.finish(200, 2.0)  # 100 tok/s
     m.start(50.0)  # idle from 2 to 50 s: not counted
     m.finish(300, 51.0)  # 300 tok/s
-    assert m.tokens_per_s == pytest.approx(500 / 3.0)
+    assert m.tokens_per_s(51.0) == pytest.approx(500 / 3.0)
 
 
 def test_service_meter_shares_a_step_between_requests_batched_together():
@@ -32,7 +32,7 @@ def test_service_meter_shares_a_step_between_requests_batched_together():
     m.start(0.0)
     m.finish(100, 1.0)
     m.finish(100, 1.0)  # charged 0 s, the first completion took the step's time
-    assert m.tokens_per_s == pytest.approx(200.0)
+    assert m.tokens_per_s(1.0) == pytest.approx(200.0)
 
 
 def test_service_meter_window_forgets_old_samples():
@@ -40,17 +40,28 @@ def test_service_meter_window_forgets_old_samples():
     for tokens, t in ((1000, 1.0), (100, 2.0), (100, 3.0)):
         m.start(t - 1.0)
         m.finish(tokens, t)
-    assert m.tokens_per_s == pytest.approx(100.0)
+    assert m.tokens_per_s(3.0) == pytest.approx(100.0)
+
+
+def test_service_meter_forgets_completions_older_than_max_age():
+    m = ServiceMeter(max_age_s=60.0)
+    m.start(0.0)
+    m.finish(100, 2.0)  # 50 tok/s, e.g. prefilled while decode held the cores
+    assert m.tokens_per_s(62.0) == pytest.approx(50.0)
+    assert m.tokens_per_s(62.5) is None  # unknown: the next request is admitted to measure it
+    m.start(70.0)
+    m.finish(1300, 75.0)
+    assert m.tokens_per_s(75.0) == pytest.approx(260.0)  # the old sample no longer drags it down
 
 
 def test_service_meter_cancel_leaves_no_sample():
     m = ServiceMeter()
     m.start(0.0)
     m.cancel(5.0)
-    assert m.tokens_per_s is None
+    assert m.tokens_per_s(5.0) is None
     m.start(10.0)
     m.finish(50, 11.0)
-    assert m.tokens_per_s == pytest.approx(50.0)
+    assert m.tokens_per_s(11.0) == pytest.approx(50.0)
 
 
 def test_step_meter_predicts_from_the_nearest_smaller_bucket():

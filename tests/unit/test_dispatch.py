@@ -83,8 +83,8 @@ def test_a_ticket_waiting_for_the_tier_does_not_block_a_local_one_behind_it():
         d, pool, _ = dispatcher()
         d0 = pool.by_address("d0")
         d0.seats.add(d._seat(ticket("running", 10)))  # decode busy: local needs a measured rate
-        d0.local_meter.start(0.0)
-        d0.local_meter.finish(100, 1.0)  # 100 tok/s
+        d0.local_meter.start(99.0)
+        d0.local_meter.finish(100, 100.0)  # 100 tok/s
         await_first = asyncio.create_task(d.acquire(ticket("long0", 3000)))
         await asyncio.sleep(0)
         waiting_long = asyncio.create_task(d.acquire(ticket("long1", 3000)))
@@ -120,8 +120,8 @@ def test_admission_refuses_a_predicted_ttft_miss_with_a_retry_hint():
     async def scenario():
         d, pool, _ = dispatcher(ttft=2.0, local_prefill_max_tokens=0)
         p0 = pool.by_address("p0")
-        p0.prefill_meter.start(0.0)
-        p0.prefill_meter.finish(1000, 10.0)  # 100 tok/s
+        p0.prefill_meter.start(90.0)
+        p0.prefill_meter.finish(1000, 100.0)  # 100 tok/s
         d.admit(ticket("fits", 150, ttft=2.0))  # 1.5 s
         await d.acquire(ticket("fits", 150, ttft=2.0))  # now 150 tokens in flight
         with pytest.raises(Refused) as e:
@@ -133,12 +133,27 @@ def test_admission_refuses_a_predicted_ttft_miss_with_a_retry_hint():
     assert "predicted time to first token 2.50 s" in message
 
 
+def test_an_estimate_with_no_recent_completion_refuses_nothing():
+    # The refused requests never reach the tier, so a slow old estimate would refuse forever.
+    async def scenario():
+        d, pool, clock = dispatcher(ttft=2.0, local_prefill_max_tokens=0)
+        p0 = pool.by_address("p0")
+        p0.prefill_meter.start(90.0)
+        p0.prefill_meter.finish(10, 100.0)  # 1 tok/s
+        with pytest.raises(Refused):
+            d.admit(ticket("slow", 100, ttft=2.0))
+        clock.now = 100.0 + p0.prefill_meter.max_age_s + 1
+        d.admit(ticket("probe", 100, arrival=clock.now, ttft=2.0))  # no refusal: admitted to measure
+
+    run(scenario())
+
+
 def test_fifo_policy_admits_everything_and_keeps_arrival_order():
     async def scenario():
         d, pool, clock = dispatcher("fifo", ttft=0.001, local_prefill_max_tokens=0)
         p0 = pool.by_address("p0")
-        p0.prefill_meter.start(0.0)
-        p0.prefill_meter.finish(10, 10.0)  # 1 tok/s: every TTFT objective would be missed
+        p0.prefill_meter.start(90.0)
+        p0.prefill_meter.finish(10, 100.0)  # 1 tok/s: every TTFT objective would be missed
         got = []
 
         async def go(t):
@@ -177,8 +192,8 @@ def test_a_queued_request_that_can_no_longer_meet_its_ttft_objective_is_refused_
     async def scenario():
         d, pool, clock = dispatcher(local_prefill_max_tokens=0, prefill_queue_tokens=600)
         p0 = pool.by_address("p0")
-        p0.prefill_meter.start(0.0)
-        p0.prefill_meter.finish(1000, 10.0)  # 100 tok/s
+        p0.prefill_meter.start(90.0)
+        p0.prefill_meter.finish(1000, 100.0)  # 100 tok/s
         busy = await d.acquire(ticket("busy", 500))
         late = asyncio.create_task(d.acquire(ticket("late", 300, ttft=5.0)))  # waits: the budget holds "busy"
         fine = asyncio.create_task(d.acquire(ticket("fine", 300, ttft=9.0)))

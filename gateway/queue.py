@@ -95,7 +95,8 @@ def deadline_precision_s(remaining_s: float) -> float:
     gRPC sends a timeout rounded up to its encoding's unit: 1 ms under 1 s, 10 ms under
     10 s, 100 ms under 100 s, then whole seconds. Measured with grpc 1.85: a 300.0 s
     timeout arrives as 301 s and a 299.25 s one as 300 s, so of two calls with a 300 s
-    timeout the later may seem due first. One unit, and a millisecond for reading it.
+    timeout the later may seem due first (scripts/grpc_timeout_rounding.py prints the
+    table). One unit, and a millisecond for reading it.
     """
     unit = 0.001 if remaining_s < 1 else 0.01 if remaining_s < 10 else 0.1 if remaining_s < 100 else 1.0
     return unit + 0.001

@@ -151,12 +151,6 @@ class _ClassQueue:
     tickets: list[Ticket] = field(default_factory=list)  # kept sorted by (due, seq)
     pass_value: float = 0.0
 
-    def head(self) -> Ticket | None:
-        return first_due(self.tickets) if self.tickets else None
-
-    def oldest(self) -> Ticket | None:
-        return min(self.tickets, key=lambda t: t.seq, default=None)
-
 
 class RequestQueue:
     def __init__(self, policy: str = "slo", classes: dict[Priority, ClassPolicy] | None = None,

@@ -44,6 +44,14 @@ def ticket(name, tokens, priority=I, arrival=100.0, deadline=None, ttft=None) ->
     return Ticket(name, priority, tokens, 8, arrival, deadline_s=deadline, ttft_slo_s=ttft)
 
 
+def measured_prefill(pool: WorkerPool, tokens: int) -> Worker:
+    """The prefill worker, having prefilled ``tokens`` in the 10 s before the clock's start."""
+    p0 = pool.by_address("p0")
+    p0.prefill_meter.start(90.0)
+    p0.prefill_meter.finish(tokens, 100.0)
+    return p0
+
+
 def run(coro):
     return asyncio.run(coro)
 
@@ -119,9 +127,7 @@ def test_a_deadline_passing_in_the_queue_ends_the_request_before_any_worker():
 def test_admission_refuses_a_predicted_ttft_miss_with_a_retry_hint():
     async def scenario():
         d, pool, _ = dispatcher(ttft=2.0, local_prefill_max_tokens=0)
-        p0 = pool.by_address("p0")
-        p0.prefill_meter.start(90.0)
-        p0.prefill_meter.finish(1000, 100.0)  # 100 tok/s
+        measured_prefill(pool, 1000)  # 100 tok/s
         d.admit(ticket("fits", 150, ttft=2.0))  # 1.5 s
         await d.acquire(ticket("fits", 150, ttft=2.0))  # now 150 tokens in flight
         with pytest.raises(Refused) as e:
@@ -137,9 +143,7 @@ def test_an_estimate_with_no_recent_completion_refuses_nothing():
     # The refused requests never reach the tier, so a slow old estimate would refuse forever.
     async def scenario():
         d, pool, clock = dispatcher(ttft=2.0, local_prefill_max_tokens=0)
-        p0 = pool.by_address("p0")
-        p0.prefill_meter.start(90.0)
-        p0.prefill_meter.finish(10, 100.0)  # 1 tok/s
+        p0 = measured_prefill(pool, 10)  # 1 tok/s
         with pytest.raises(Refused):
             d.admit(ticket("slow", 100, ttft=2.0))
         clock.now = 100.0 + p0.prefill_meter.max_age_s + 1
@@ -151,9 +155,7 @@ def test_an_estimate_with_no_recent_completion_refuses_nothing():
 def test_fifo_policy_admits_everything_and_keeps_arrival_order():
     async def scenario():
         d, pool, clock = dispatcher("fifo", ttft=0.001, local_prefill_max_tokens=0)
-        p0 = pool.by_address("p0")
-        p0.prefill_meter.start(90.0)
-        p0.prefill_meter.finish(10, 100.0)  # 1 tok/s: every TTFT objective would be missed
+        p0 = measured_prefill(pool, 10)  # 1 tok/s: every TTFT objective would be missed
         got = []
 
         async def go(t):
@@ -191,9 +193,7 @@ def test_decode_seats_wait_when_every_decode_worker_is_full():
 def test_a_queued_request_that_can_no_longer_meet_its_ttft_objective_is_refused_at_dispatch():
     async def scenario():
         d, pool, clock = dispatcher(local_prefill_max_tokens=0, prefill_queue_tokens=600)
-        p0 = pool.by_address("p0")
-        p0.prefill_meter.start(90.0)
-        p0.prefill_meter.finish(1000, 100.0)  # 100 tok/s
+        p0 = measured_prefill(pool, 1000)  # 100 tok/s
         busy = await d.acquire(ticket("busy", 500))
         late = asyncio.create_task(d.acquire(ticket("late", 300, ttft=5.0)))  # waits: the budget holds "busy"
         fine = asyncio.create_task(d.acquire(ticket("fine", 300, ttft=9.0)))

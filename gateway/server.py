@@ -261,16 +261,21 @@ async def _poll_workers(workers: WorkerPool, dispatcher: Dispatcher, health, cfg
     SERVING while each tier has a routable worker."""
     was_ready = None
     while True:
-        await workers.poll_once()
-        workers.expire_heartbeats(time.monotonic(), cfg.heartbeat_timeout_s)
-        dispatcher.pump()  # a worker that came back may take queued work
-        ready = workers.ready()
-        for role in ("prefill", "decode"):
-            metrics.WORKERS_READY.labels(role).set(len(workers.routable(role)))
-        if ready != was_ready:
-            await rpc.set_serving(health, [SERVICE_NAME], ready)
-            logger.info("gateway %s", "SERVING" if ready else "NOT_SERVING: waiting for workers")
-            was_ready = ready
+        try:
+            await workers.poll_once()
+            workers.expire_heartbeats(time.monotonic(), cfg.heartbeat_timeout_s)
+            dispatcher.pump()  # a worker that came back may take queued work
+            ready = workers.ready()
+            for role in ("prefill", "decode"):
+                metrics.WORKERS_READY.labels(role).set(len(workers.routable(role)))
+            if ready != was_ready:
+                await rpc.set_serving(health, [SERVICE_NAME], ready)
+                logger.info("gateway %s", "SERVING" if ready else "NOT_SERVING: waiting for workers")
+                was_ready = ready
+        except Exception:
+            # This loop is the gateway's health and heartbeat expiry: one bad round must not
+            # end it (health would stay as it was for the gateway's life).
+            logger.exception("polling workers failed; polling again")
         await asyncio.sleep(min(cfg.poll_interval_s, cfg.heartbeat_interval_s))
 
 

@@ -170,7 +170,7 @@ async def check_health(channel: grpc.aio.Channel, service: str = "", timeout_s: 
     stub = health_pb2_grpc.HealthStub(channel)
     try:
         reply = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)
-    except grpc.aio.AioRpcError:
+    except (grpc.aio.AioRpcError, grpc.aio.UsageError):  # UsageError: the channel was closed
         return False
     return reply.status == health_pb2.HealthCheckResponse.SERVING
 
@@ -183,4 +183,8 @@ CHANNEL_OPTIONS = [
     # default backoff grows to 120 s, failing every call fast meanwhile).
     ("grpc.initial_reconnect_backoff_ms", 500),
     ("grpc.max_reconnect_backoff_ms", 2_000),
+    # gRPC shares subchannels between channels to one address by default: a fresh channel
+    # to a restarted worker would inherit the dead one's reconnect backoff and fail its
+    # first calls (seen in CI: "Connection refused" 0.2 s after the new worker registered).
+    ("grpc.use_local_subchannel_pool", 1),
 ]

@@ -95,3 +95,51 @@ def test_unknown_ids_raise_key_error():
         return pool.deregister("ghost")
 
     assert run(scenario) is None
+
+
+def test_a_restarted_worker_at_the_same_address_answers_at_once():
+    """The old engine's channel sits in reconnect backoff; the new one's first call must not
+    inherit it (gRPC shares subchannels between channels unless told not to)."""
+    import grpc
+    from grpc_health.v1 import health, health_pb2_grpc
+
+    from pdserve import rpc
+    from pdserve.launcher import free_port
+
+    async def scenario():
+        address = f"127.0.0.1:{free_port()}"
+        pool = WorkerPool()
+        old = pool.register(info("old"), address, "", now_s=0.0)
+        server = None
+        try:
+            down = [await rpc.check_health(old.channel) for _ in range(4)]
+            # register() closes the old channel in the background: keep it open meanwhile,
+            # as it was when a request followed the registration at once.
+            pool.workers.remove(old)
+            server = grpc.aio.server()
+            health_pb2_grpc.add_HealthServicer_to_server(health.aio.HealthServicer(), server)
+            server.add_insecure_port(address)
+            await server.start()
+            new = pool.register(info("new"), address, "", now_s=1.0)
+            return down, await rpc.check_health(new.channel)
+        finally:
+            await pool.close()
+            await old.channel.close()
+            if server is not None:
+                await server.stop(0)
+
+    assert asyncio.run(scenario()) == ([False] * 4, True)
+
+
+def test_polling_survives_a_worker_whose_channel_was_closed():
+    async def scenario():
+        pool = WorkerPool()
+        try:
+            worker = pool.register(info("d1"), "127.0.0.1:1", "", now_s=0.0)
+            await worker.channel.close()  # as register() does to a replaced worker's channel
+            await pool.poll_once()
+            return worker.healthy
+        finally:
+            await pool.close()
+
+    assert asyncio.run(scenario()) is False

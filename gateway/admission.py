@@ -64,14 +64,27 @@ class ServiceMeter:
         self._num_busy -= 1
         self._busy_since_s = self._busy_since_s if self._num_busy else None
 
-    def tokens_per_s(self, now_s: float) -> float | None:
-        """Measured over the recent completions; None: none recent."""
+    def tokens_per_s(self, now_s: float, pending_tokens: int = 0) -> float | None:
+        """Measured over the recent completions; None: none recent.
+
+        ``pending_tokens``: the tokens sent and not yet answered. A worker that has worked
+        on them for longer than they take at the measured rate is slower now than it was
+        (its cores taken by another engine, a stuck request): the rate is then at most
+        ``pending_tokens`` over that time, so the next prompt is not promised a start it
+        will not get (seen in the short benchmark: prompts of 20-47 tokens sent to a
+        prefill engine that decode kept off the cores waited 9-29 s).
+        """
         recent = [(n, s) for n, s, when in self._samples if now_s - when <= self.max_age_s]
         tokens = sum(n for n, _ in recent)
         busy_s = sum(s for _, s in recent)
         if busy_s <= 0 or tokens <= 0:
             return None
-        return tokens / busy_s
+        rate = tokens / busy_s
+        if pending_tokens > 0 and self._num_busy and self._busy_since_s is not None:
+            working_s = now_s - self._busy_since_s
+            if working_s > 0:
+                rate = min(rate, pending_tokens / working_s)
+        return rate
 
 
 def _bucket(num_running: int) -> int:

@@ -86,7 +86,7 @@ class Dispatcher:
     def forecast(self, ticket: Ticket) -> Forecast:
         now = self._clock()
         prefill = self._workers.routable("prefill")
-        rates = [r for w in prefill if (r := w.prefill_meter.tokens_per_s(now))]
+        rates = [r for w in prefill if (r := w.prefill_meter.tokens_per_s(now, w.queued_tokens))]
         in_flight = sum(w.queued_tokens for w in prefill)
         ahead = self.queue.tokens_ahead(ticket, now) + in_flight
         ttft = predict_ttft_s(ahead, ticket.num_prompt_tokens, sum(rates) if rates else None)
@@ -283,13 +283,21 @@ class Dispatcher:
         seat.num_generated = num_tokens
         if seat.local_prefill_tokens:
             worker.local_meter.finish(max(seat.local_prefill_tokens - num_cached_tokens, 1), now)
+            worker.last_local_prefill_s = now
             seat.local_prefill_tokens = 0
             self.pump()
 
     def tokens(self, worker: Worker, seat: Seat, num_tokens: int, gap_s: float) -> None:
+        """Tokens streamed ``gap_s`` after the seat's previous ones. The gap measures the
+        worker's decode step unless a local prefill ran in it: placement budgets those
+        stalls separately (slack), and counting them here too would refuse requests on
+        TPOT that the steps alone serve within their objective."""
         seat.num_generated += num_tokens
-        if num_tokens:
-            worker.step_meter.observe(len(worker.seats), gap_s / num_tokens, self._clock())
+        now = self._clock()
+        stalled = (worker.last_local_prefill_s >= now - gap_s
+                   or any(s.local_prefill_tokens for s in worker.seats))
+        if num_tokens and not stalled:
+            worker.step_meter.observe(len(worker.seats), gap_s / num_tokens, now)
 
     def release(self, worker: Worker, seat: Seat) -> None:
         if seat.local_prefill_tokens:  # ended before its first token

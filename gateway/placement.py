@@ -99,8 +99,12 @@ def place(num_prompt_tokens: int, kv_tokens: int, prefill: list[PrefillLoad], de
         return local or remote
     if next(d for d in decode if d.worker == local.worker).idle:
         return local  # nothing to stall, and no handoff to wait for
-    if local.predicted_ttft_s is None or remote.predicted_ttft_s is None:
+    if local.predicted_ttft_s is None:
         return remote
+    if remote.predicted_ttft_s is None:
+        # The tier's rate is not known (no recent prefill there): a decode worker that
+        # takes the prompt within its slack, at a known rate, is the sure start.
+        return local
     return local if local.predicted_ttft_s <= remote.predicted_ttft_s else remote
 
 

@@ -76,6 +76,7 @@ class Worker:
     seats: set[Seat] = field(default_factory=set)
     local_meter: ServiceMeter = field(default_factory=ServiceMeter)
     step_meter: StepMeter = field(default_factory=StepMeter)
+    last_local_prefill_s: float = float("-inf")  # when its latest local prefill finished
 
     @property
     def routable(self) -> bool:
@@ -100,12 +101,13 @@ class Worker:
         return len(self.seats) if self.role == "decode" else self.num_prefills
 
     def prefill_load(self, now_s: float, matched_tokens: int = 0) -> PrefillLoad:
-        return PrefillLoad(self.address, self.queued_tokens, self.prefill_meter.tokens_per_s(now_s), matched_tokens)
+        return PrefillLoad(self.address, self.queued_tokens,
+                           self.prefill_meter.tokens_per_s(now_s, self.queued_tokens), matched_tokens)
 
     def decode_load(self, now_s: float) -> DecodeLoad:
         assert self.info is not None
         local_tokens = sum(s.local_prefill_tokens for s in self.seats)
-        local_tps = self.local_meter.tokens_per_s(now_s)
+        local_tps = self.local_meter.tokens_per_s(now_s, sum(s.local_prefill_tokens for s in self.seats))
         slack = decode_slack_s([s.view() for s in self.seats],
                                self.step_meter.predict(len(self.seats), now_s), now_s)
         if local_tps and local_tokens:

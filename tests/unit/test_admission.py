@@ -115,3 +115,16 @@ def test_refuses_a_known_tpot_miss():
 def test_retry_hint_is_clamped():
     assert decide(Forecast(2.01, None), 2.0, None).retry_after_s == MIN_RETRY_S
     assert decide(Forecast(1000.0, None), 2.0, None).retry_after_s == MAX_RETRY_S
+
+
+def test_service_meter_rate_is_bounded_by_pending_work_left_unanswered():
+    m = ServiceMeter()
+    m.start(0.0)
+    m.finish(400, 1.0)  # 400 tok/s, measured while the worker had the cores
+    m.start(10.0)  # 40 tokens sent: due at 10.1 s at that rate
+    assert m.tokens_per_s(10.05, pending_tokens=40) == pytest.approx(400.0)
+    # Still unanswered 4 s later: the worker runs at most 40 tokens / 4 s now.
+    assert m.tokens_per_s(14.0, pending_tokens=40) == pytest.approx(10.0)
+    assert m.tokens_per_s(14.0) == pytest.approx(400.0)  # without pending work: the measured rate
+    m.finish(40, 14.0)
+    assert m.tokens_per_s(14.0, pending_tokens=0) == pytest.approx(440 / 5.0)

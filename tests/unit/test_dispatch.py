@@ -205,3 +205,30 @@ def test_a_queued_request_that_can_no_longer_meet_its_ttft_objective_is_refused_
         return busy.placement.where, (await fine).placement.where
 
     assert run(scenario()) == (Where.REMOTE, Where.REMOTE)
+
+
+def test_decode_step_estimate_leaves_out_gaps_a_local_prefill_ran_in():
+    from gateway.workers import Seat
+
+    async def scenario():
+        d, pool, clock = dispatcher()
+        d0 = pool.by_address("d0")
+        running = Seat("r", kv_tokens=100, max_tokens=64, tpot_slo_s=None)
+        d0.seats.add(running)
+        d.tokens(d0, running, 1, gap_s=0.050)  # a plain step
+        local = Seat("l", kv_tokens=100, max_tokens=64, tpot_slo_s=None, local_prefill_tokens=40)
+        d0.seats.add(local)
+        d0.local_meter.start(clock.now)
+        clock.now += 0.3
+        d.tokens(d0, running, 1, gap_s=0.300)  # the prefill is in this step: not a step time
+        d.first_token(d0, local, 1, num_cached_tokens=0)
+        clock.now += 0.2
+        d.tokens(d0, running, 1, gap_s=0.250)  # began before the prefill finished
+        after_stalls = d0.step_meter.predict(2, clock.now)
+        clock.now += 0.06
+        d.tokens(d0, running, 1, gap_s=0.060)  # two running, no prefill: counted
+        return after_stalls, d0.step_meter.predict(2, clock.now)
+
+    after_stalls, after_step = run(scenario())
+    assert after_stalls == pytest.approx(0.050)
+    assert after_step == pytest.approx(0.060)

@@ -145,3 +145,10 @@ def test_prefix_index_is_bounded():
     index.record(index.keys((5, 6, 7, 8)), "p1")  # 4 keys: the oldest, (1, 2), is forgotten
     assert index.matched_tokens(index.keys((1, 2, 3, 4))) == {}
     assert index.matched_tokens(index.keys((5, 6, 7, 8))) == {"p1": 4}
+
+
+def test_short_prompt_goes_local_when_the_tier_rate_is_unknown_and_the_decode_rate_known():
+    p = place(40, 80, [prefill(tps=None)], [decode(running=2, tps=100.0, slack=1.0)], CFG)
+    assert (p.where, p.predicted_ttft_s) == (Where.LOCAL, pytest.approx(0.4))
+    # Unknown locally too: the tier measures it.
+    assert place(40, 80, [prefill(tps=None)], [decode(running=2, tps=None)], CFG).where is Where.REMOTE

@@ -65,25 +65,34 @@ def test_service_meter_cancel_leaves_no_sample():
 
 
 def test_step_meter_predicts_from_the_nearest_smaller_bucket():
-    s = StepMeter(alpha=0.5)
+    s = StepMeter(min_samples=1)
     assert s.predict(1, 0.0) is None
     s.observe(1, 0.040, 0.0)
     s.observe(3, 0.060, 0.0)  # bucket 4
-    s.observe(4, 0.080, 0.0)  # bucket 4: EWMA 0.070
+    s.observe(4, 0.080, 0.0)  # bucket 4: median 0.070
     assert s.predict(1, 0.0) == pytest.approx(0.040)
     assert s.predict(2, 0.0) == pytest.approx(0.040)  # bucket 2 unmeasured: bucket 1's
     assert s.predict(4, 0.0) == pytest.approx(0.070)
     assert s.predict(16, 0.0) == pytest.approx(0.070)
 
 
+def test_step_meter_is_not_moved_by_one_slow_gap():
+    s = StepMeter(min_samples=3)
+    for t, v in enumerate((0.070, 0.072, 0.300, 0.071)):
+        s.observe(2, v, float(t))
+    assert s.predict(2, 4.0) == pytest.approx(0.0715)
+    s.observe(4, 0.200, 5.0)  # one slow gap at batch 4: too few to count
+    assert s.predict(4, 5.0) == pytest.approx(0.0715)
+
+
 def test_step_meter_forgets_a_bucket_not_measured_lately():
-    s = StepMeter(max_age_s=20.0)
+    s = StepMeter(min_samples=1, max_age_s=20.0)
     s.observe(1, 0.040, 0.0)
     s.observe(2, 0.300, 5.0)  # one slow stretch at batch 2
     s.observe(1, 0.045, 24.0)
     assert s.predict(2, 25.0) == pytest.approx(0.300)  # still recent
     # Refusals kept the batch at 1 since: batch 2's old value no longer counts.
-    assert s.predict(2, 25.1) == pytest.approx(0.041)
+    assert s.predict(2, 25.1) == pytest.approx(0.045)
     assert s.predict(1, 50.0) is None
 
 

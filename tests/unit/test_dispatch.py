@@ -208,11 +208,13 @@ def test_a_queued_request_that_can_no_longer_meet_its_ttft_objective_is_refused_
 
 
 def test_decode_step_estimate_leaves_out_gaps_a_local_prefill_ran_in():
+    from gateway.admission import StepMeter
     from gateway.workers import Seat
 
     async def scenario():
         d, pool, clock = dispatcher()
         d0 = pool.by_address("d0")
+        d0.step_meter = StepMeter(min_samples=1)
         running = Seat("r", kv_tokens=100, max_tokens=64, tpot_slo_s=None)
         d0.seats.add(running)
         d.tokens(d0, running, 1, gap_s=0.050)  # a plain step

@@ -15,6 +15,7 @@ With nothing measured yet the gateway admits: a cold start must not refuse.
 from __future__ import annotations
 
 import math
+import statistics
 from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
@@ -118,10 +119,9 @@ class StepMeter:
         smaller bucket's (a larger batch is never faster); None with nothing recent."""
         b = _bucket(num_running)
         for k in sorted((k for k in self._by_bucket if k <= b), reverse=True):
-            recent = sorted(v for v, when in self._by_bucket[k] if now_s - when <= self.max_age_s)
+            recent = [v for v, when in self._by_bucket[k] if now_s - when <= self.max_age_s]
             if len(recent) >= self.min_samples:
-                mid = len(recent) // 2
-                return recent[mid] if len(recent) % 2 else (recent[mid - 1] + recent[mid]) / 2
+                return statistics.median(recent)
         return None
 
 

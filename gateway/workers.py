@@ -107,7 +107,7 @@ class Worker:
     def decode_load(self, now_s: float) -> DecodeLoad:
         assert self.info is not None
         local_tokens = sum(s.local_prefill_tokens for s in self.seats)
-        local_tps = self.local_meter.tokens_per_s(now_s, sum(s.local_prefill_tokens for s in self.seats))
+        local_tps = self.local_meter.tokens_per_s(now_s, local_tokens)
         slack = decode_slack_s([s.view() for s in self.seats],
                                self.step_meter.predict(len(self.seats), now_s), now_s)
         if local_tps and local_tokens:

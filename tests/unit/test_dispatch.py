@@ -234,3 +234,40 @@ def test_decode_step_estimate_leaves_out_gaps_a_local_prefill_ran_in():
     after_stalls, after_step = run(scenario())
     assert after_stalls == pytest.approx(0.050)
     assert after_step == pytest.approx(0.060)
+
+
+def test_a_queued_request_is_refused_when_its_ttft_objective_passes():
+    async def scenario():
+        d, pool, clock = dispatcher(local_prefill_max_tokens=0, prefill_queue_tokens=600)
+        busy = await d.acquire(ticket("busy", 500))  # holds the tier: no rate measured yet
+        waiting = asyncio.create_task(d.acquire(ticket("waiting", 300, ttft=2.0)))
+        patient = asyncio.create_task(d.acquire(ticket("patient", 300)))  # no objective
+        await asyncio.sleep(0)
+        clock.now = 101.9
+        d.pump()
+        assert not waiting.done()
+        clock.now = 102.0
+        d.pump()
+        with pytest.raises(Refused, match="objective of 2.00 s passed after 2.00 s in the gateway's interactive queue"):
+            await asyncio.wait_for(waiting, 1.0)
+        queued = [t.request_id for t in d.queue.ordered(clock.now)]
+        patient.cancel()
+        return busy.placement.where, queued
+
+    assert run(scenario()) == (Where.REMOTE, ["patient"])
+
+
+def test_fifo_never_refuses_a_queued_request_on_its_objective():
+    async def scenario():
+        d, pool, clock = dispatcher(policy="fifo", local_prefill_max_tokens=0, prefill_queue_tokens=600)
+        await d.acquire(ticket("busy", 500))
+        waiting = asyncio.create_task(d.acquire(ticket("waiting", 300, ttft=2.0)))
+        await asyncio.sleep(0)
+        clock.now = 110.0
+        d.pump()
+        await asyncio.sleep(0)
+        done, queued = waiting.done(), len(d.queue)
+        waiting.cancel()
+        return done, queued
+
+    assert run(scenario()) == (False, 1)

@@ -170,13 +170,9 @@ class Dispatcher:
         ttft_s = now - ticket.arrival_s + placement.predicted_ttft_s
         if ttft_s <= ticket.ttft_slo_s:
             return False
-        metrics.REFUSALS.labels(ticket.priority.label, Reason.TTFT_QUEUED.value).inc()
-        self._waiting.pop(ticket).set_exception(Refused(Refusal(
-            Reason.TTFT_QUEUED,
-            f"after {now - ticket.arrival_s:.2f} s in the queue, the predicted time to first token "
-            f"{ttft_s:.2f} s exceeds the request's objective of {ticket.ttft_slo_s:.2f} s; retry later, "
-            "as a lower priority or with a looser slo.ttft_ms",
-            min(max(ttft_s - ticket.ttft_slo_s, 0.5), 60.0))))
+        self._refuse_queued(ticket, f"after {now - ticket.arrival_s:.2f} s in the queue, the predicted time "
+                            f"to first token {ttft_s:.2f} s exceeds the request's objective of "
+                            f"{ticket.ttft_slo_s:.2f} s", min(max(ttft_s - ticket.ttft_slo_s, 0.5), 60.0))
         return True
 
     def _overdue(self, now: float) -> list[Ticket]:
@@ -190,13 +186,15 @@ class Dispatcher:
         benchmark, a 514-token prompt refused after 14.8 s in the queue against a 12.4 s
         objective. The caller learns at the objective that it will not be met."""
         self.queue.remove(ticket)
+        self._refuse_queued(ticket, f"its time-to-first-token objective of {ticket.ttft_slo_s:.2f} s passed "
+                            f"after {now - ticket.arrival_s:.2f} s in the gateway's {ticket.priority.label} "
+                            "queue, before a worker could take it", 1.0)
+
+    def _refuse_queued(self, ticket: Ticket, why: str, retry_after_s: float) -> None:
         metrics.REFUSALS.labels(ticket.priority.label, Reason.TTFT_QUEUED.value).inc()
         self._waiting.pop(ticket).set_exception(Refused(Refusal(
-            Reason.TTFT_QUEUED,
-            f"its time-to-first-token objective of {ticket.ttft_slo_s:.2f} s passed after "
-            f"{now - ticket.arrival_s:.2f} s in the gateway's {ticket.priority.label} queue, before "
-            "a worker could take it; retry later, as a lower priority or with a looser slo.ttft_ms",
-            1.0)))
+            Reason.TTFT_QUEUED, f"{why}; retry later, as a lower priority or with a looser slo.ttft_ms",
+            retry_after_s)))
 
     def _place(self, ticket: Ticket, now: float, remote_open: bool) -> Placement | None:
         matched = self._prefix_index().matched_tokens(self._prefix_keys(ticket))

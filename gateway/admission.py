@@ -45,6 +45,7 @@ class ServiceMeter:
     _samples: deque[tuple[int, float, float]] = field(default_factory=deque)  # tokens, busy s, when
     _busy_since_s: float | None = None
     _num_busy: int = 0
+    _abandoned: tuple[float, float] | None = None  # rate bound, when
 
     def start(self, now_s: float) -> None:
         if self._num_busy == 0:
@@ -58,12 +59,27 @@ class ServiceMeter:
             self._samples.popleft()
         self._num_busy -= 1
         self._busy_since_s = now_s if self._num_busy else None
+        self._abandoned = None
 
     def cancel(self, now_s: float) -> None:
         """A request that left without completing: no sample, but it stops counting busy."""
         assert self._num_busy > 0
         self._num_busy -= 1
         self._busy_since_s = self._busy_since_s if self._num_busy else None
+
+    def abandon(self, num_tokens: int, waited_s: float, now_s: float) -> None:
+        """A request taken back unanswered after ``waited_s`` (moved elsewhere): the worker
+        ran at most ``num_tokens / waited_s`` for it. Until its next completion (or for
+        ``max_age_s``) its rate reads at most that: the completions before it were made
+        while it had the cores, and a sum over them would hide that it has none now."""
+        self.cancel(now_s)
+        if waited_s > 0 and num_tokens > 0:
+            self._abandoned = (num_tokens / waited_s, now_s)
+
+    def stalled(self, now_s: float) -> bool:
+        """A request was taken back from this worker unanswered, and nothing has completed
+        since: its rate now is a bound, not an estimate to promise a start on."""
+        return self._abandoned is not None and now_s - self._abandoned[1] <= self.max_age_s
 
     def tokens_per_s(self, now_s: float, pending_tokens: int = 0) -> float | None:
         """Measured over the recent completions; None: none recent.
@@ -81,6 +97,8 @@ class ServiceMeter:
         if busy_s <= 0 or tokens <= 0:
             return None
         rate = tokens / busy_s
+        if self.stalled(now_s):
+            rate = min(rate, self._abandoned[0])
         if pending_tokens > 0 and self._num_busy and self._busy_since_s is not None:
             working_s = now_s - self._busy_since_s
             if working_s > 0:

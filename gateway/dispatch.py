@@ -8,7 +8,8 @@ A request's life here:
      a prefill worker with room, or on a decode worker that prefills it itself. Its hard
      deadline passing first ends it with DEADLINE_EXCEEDED; it never reaches a worker.
   3. The caller runs it, reporting progress (`prefill_done`, `first_token`, `tokens`), and
-     a prefilled request takes a decode seat with `decode_seat`.
+     a prefilled request takes a decode seat with `decode_seat`. A remote prefill that
+     stalls past `stalled_after_s` is offered a decode worker with `move_stalled`.
   4. `release` gives the seat back. Every change of load calls `pump` again.
 
 `pump` is synchronous and cheap: it walks the queue in policy order and hands out places
@@ -27,7 +28,8 @@ from dataclasses import dataclass
 
 from gateway import metrics
 from gateway.admission import Forecast, Reason, Refusal, decide, predict_ttft_s
-from gateway.placement import Placement, PlacementConfig, PrefixIndex, Where, pick_decode, place
+from gateway.placement import (Placement, PlacementConfig, PrefixIndex, Where, move_stalled, pick_decode, place,
+                               stalled_after_s)
 from gateway.queue import Priority, QueueFull, RequestQueue, Ticket
 from gateway.workers import Seat, Worker, WorkerPool
 from pdserve import rpc
@@ -269,6 +271,30 @@ class Dispatcher:
         else:
             worker.prefill_meter.finish(max(ticket.num_prompt_tokens - num_cached_tokens, 1), now)
         self.pump()
+
+    def stalled_after_s(self, ticket: Ticket, placement: Placement) -> float | None:
+        """How long its remote prefill may go unanswered before `move_stalled` is tried."""
+        return stalled_after_s(ticket.num_prompt_tokens, placement.predicted_ttft_s, self._placement)
+
+    def move_stalled(self, worker: Worker, ticket: Ticket, waited_s: float) -> Grant | None:
+        """A local place (with its seat) for a ticket whose prefill on ``worker`` has not
+        answered after ``waited_s``; None: no decode worker can take it now. On a grant the
+        caller cancels the prefill call and reports nothing more for it."""
+        now = self._clock()
+        decode = [w.decode_load(now) for w in self._workers.routable("decode")]
+        budget = None if ticket.ttft_slo_s is None else ticket.arrival_s + ticket.ttft_slo_s - now
+        placement = move_stalled(ticket.num_prompt_tokens, ticket.num_prompt_tokens + ticket.max_tokens, decode,
+                                 self._placement, budget if self._admission else None)
+        if placement is None:
+            return None
+        worker.queued_tokens -= ticket.num_prompt_tokens
+        worker.num_prefills -= 1
+        worker.prefill_meter.abandon(ticket.num_prompt_tokens, waited_s, now)
+        seat = self._reserve(ticket, placement, now)
+        metrics.MOVED_PREFILLS.inc()
+        metrics.PLACEMENTS.labels(placement.where.value).inc()
+        self.pump()  # the prefill tier has room again
+        return Grant(placement, seat)
 
     async def decode_seat(self, ticket: Ticket) -> tuple[Worker, Seat]:
         """A decode worker with room for a prefilled request; waits while all are full."""

@@ -59,6 +59,11 @@ PLACEMENTS = Counter(
     "Where prompts were prefilled: remote (the prefill tier) or local (the decode worker itself).",
     ["where"],
 )
+MOVED_PREFILLS = Counter(
+    "pdserve_prefills_moved",
+    "Remote prefills that did not answer within twice their predicted time and were taken "
+    "back and prefilled on a decode worker instead.",
+)
 CLASS_TTFT = Histogram(
     "pdserve_time_to_first_token_seconds",
     "Time from arrival at the gateway to the first token leaving it, by class.",

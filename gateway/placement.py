@@ -14,6 +14,12 @@ prefilled the same leading blocks recently) do not count as work there.
 
 Decode: the worker with a free seat and KV room that runs the fewest requests (then the
 lowest KV use).
+
+Moved: a remote prefill of a prompt a decode worker could take, that has not answered
+within twice its predicted time, is taken back and prefilled on a decode worker. With
+both engines on the same cores, the prefill engine runs at idle priority and a decode
+engine that never idles keeps it off them: seen in a closed loop of 6 short requests, a
+prompt sent to the prefill tier waited 50 s for its first token.
 """
 
 from __future__ import annotations
@@ -35,6 +41,11 @@ class PlacementConfig:
     prefill_queue_tokens: int = 1024
     # Longest prompt a decode worker may prefill itself; 0: always the prefill tier.
     local_prefill_max_tokens: int = 256
+    # A remote prefill is stalled once it runs this many times its predicted time, and
+    # never before rescue_min_s (rescue_unknown_s when nothing predicted it).
+    rescue_factor: float = 2.0
+    rescue_min_s: float = 0.25
+    rescue_unknown_s: float = 1.0
 
     def __post_init__(self) -> None:
         if self.prefill_queue_tokens < 1:
@@ -106,6 +117,23 @@ def place(num_prompt_tokens: int, kv_tokens: int, prefill: list[PrefillLoad], de
         # takes the prompt within its slack, at a known rate, is the sure start.
         return local
     return local if local.predicted_ttft_s <= remote.predicted_ttft_s else remote
+
+
+def stalled_after_s(num_prompt_tokens: int, predicted_ttft_s: float | None, cfg: PlacementConfig) -> float | None:
+    """How long a remote prefill may go unanswered before it is moved to a decode worker;
+    None: never (a prompt too long to prefill there)."""
+    if num_prompt_tokens > cfg.local_prefill_max_tokens:
+        return None
+    if predicted_ttft_s is None:
+        return cfg.rescue_unknown_s
+    return max(cfg.rescue_factor * predicted_ttft_s, cfg.rescue_min_s)
+
+
+def move_stalled(num_prompt_tokens: int, kv_tokens: int, decode: list[DecodeLoad], cfg: PlacementConfig,
+                 ttft_budget_s: float | None = None) -> Placement | None:
+    """A decode worker to prefill a stalled remote prompt; None: none can take it now (by
+    the same rules as a new placement, the prefill tier left out)."""
+    return place(num_prompt_tokens, kv_tokens, [], decode, cfg, remote_open=False, ttft_budget_s=ttft_budget_s)
 
 
 def _best_remote(num_prompt_tokens: int, prefill: list[PrefillLoad], cfg: PlacementConfig) -> Placement | None:

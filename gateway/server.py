@@ -10,7 +10,8 @@ A Generate call:
   5. Placed remote: Prefill on the chosen prefill worker gives the first token and a KV
      handle; stream the first token, take a decode seat, Decode with the handle.
      Placed local: Decode without a handle on the chosen decode worker, which prefills the
-     prompt itself (short prompts, busy prefill tier).
+     prompt itself (short prompts, busy prefill tier). A short prompt's remote prefill that
+     stalls (twice its predicted time) is cancelled and moved to a decode worker.
   6. Stream detokenized text, cutting at stop strings, until a finish reason.
 A call that ends before its decode completes releases the handle, so the prefill side frees
 the blocks now rather than at lease expiry.
@@ -27,7 +28,7 @@ from typing import TYPE_CHECKING
 import grpc
 
 from gateway import metrics
-from gateway.dispatch import ClassObjectives, Dispatcher
+from gateway.dispatch import ClassObjectives, Dispatcher, Grant
 from gateway.placement import PlacementConfig, Where
 from gateway.queue import ClassPolicy, Priority, RequestQueue, Ticket, deadline_precision_s
 from gateway.request import Job, check_prompt_fits, parse_request
@@ -49,6 +50,8 @@ logger = logging.getLogger(__name__)
 
 SERVICE_NAME = "pdserve.v1.Generation"
 DRAIN_GRACE_S = 10.0
+# A stalled remote prefill that no decode worker could take yet is offered again this often.
+STALL_RECHECK_S = 0.1
 
 
 class WorkerGone(rpc.Unavailable):
@@ -120,13 +123,16 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             grant = await self._dispatcher.acquire(ticket)
             worker = self._workers.by_address(grant.placement.worker)
             try:
-                if grant.placement.where is Where.LOCAL:
-                    assert grant.seat is not None
-                    async for reply in self._decode(job, stream, ticket, worker, grant.seat, prompt_ids, None):
-                        yield reply
-                    return
-                prefill = await self._call_prefill(job, ticket, worker, prompt_ids)
-                break
+                if grant.placement.where is Where.REMOTE:
+                    outcome = await self._call_prefill(job, ticket, worker, prompt_ids, grant)
+                    if isinstance(outcome, worker_pb2.PrefillResponse):
+                        prefill = outcome
+                        break
+                    grant, worker = outcome, self._workers.by_address(outcome.placement.worker)
+                assert grant.seat is not None
+                async for reply in self._decode(job, stream, ticket, worker, grant.seat, prompt_ids, None):
+                    yield reply
+                return
             except WorkerGone as e:
                 # Nothing streamed yet: the request may run elsewhere.
                 self._workers.mark_down(worker, str(e))
@@ -180,29 +186,53 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         except (ValueError, TypeError) as e:  # template errors: the caller's input
             raise rpc.InvalidArgument(f"cannot tokenize the input: {e}") from e
 
-    async def _call_prefill(self, job: Job, ticket: Ticket, worker: Worker,
-                            prompt_ids: list[int]) -> worker_pb2.PrefillResponse:
+    async def _call_prefill(self, job: Job, ticket: Ticket, worker: Worker, prompt_ids: list[int],
+                            grant: Grant) -> worker_pb2.PrefillResponse | Grant:
+        """The prompt's prefill on ``worker``: its reply, or a local grant when the call
+        stalled and a decode worker took the prompt instead (the call is then cancelled)."""
         num_cached: int | None = None
         try:
             kv_transport = self._workers.kv_transport(worker, self._cfg.kv_transport)
         except LookupError as e:
             self._dispatcher.prefill_done(worker, ticket, None)
             raise rpc.Unavailable(str(e)) from e
-        try:
-            reply = await worker.stub.Prefill(
-                worker_pb2.PrefillRequest(
-                    request_id=job.request_id,
-                    token_ids=prompt_ids,
-                    sampling=job.sampling.to_engine(job.sampling.max_tokens),
-                    kv_transport=kv_transport,
-                )
+        sent_s = time.monotonic()
+        call = worker.stub.Prefill(
+            worker_pb2.PrefillRequest(
+                request_id=job.request_id,
+                token_ids=prompt_ids,
+                sampling=job.sampling.to_engine(job.sampling.max_tokens),
+                kv_transport=kv_transport,
             )
+        )
+        answer = asyncio.ensure_future(call)
+        moved = False
+        try:
+            wait_s = self._dispatcher.stalled_after_s(ticket, grant.placement)
+            while wait_s is not None and not answer.done():
+                await asyncio.wait({answer}, timeout=wait_s)
+                if answer.done():
+                    break
+                waited_s = time.monotonic() - sent_s
+                local = self._dispatcher.move_stalled(worker, ticket, waited_s)
+                if local is not None:
+                    moved = True
+                    logger.info("request %s: prefill worker %s did not answer in %.2f s (predicted %s); "
+                                "prefilling on decode worker %s", job.request_id, worker.address, waited_s,
+                                _seconds(grant.placement.predicted_ttft_s), local.placement.worker)
+                    return local
+                wait_s = STALL_RECHECK_S
+            reply = await answer
             num_cached = reply.num_cached_tokens
             return reply
         except grpc.aio.AioRpcError as e:
             raise WorkerGone.wrap(worker, e) from e
         finally:
-            self._dispatcher.prefill_done(worker, ticket, num_cached)
+            if not answer.done():
+                call.cancel()  # moved, or this call was cancelled: the prefill worker aborts it
+                answer.cancel()
+            if not moved:
+                self._dispatcher.prefill_done(worker, ticket, num_cached)
 
     async def _decode(self, job: Job, stream: Stream, ticket: Ticket, worker: Worker, seat: Seat,
                       token_ids: list[int], kv: worker_pb2.KvHandle | None):
@@ -247,6 +277,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 task = asyncio.ensure_future(_quiet(worker.stub.Release(worker_pb2.ReleaseRequest(kv=kv), timeout=5)))
                 self._releases.add(task)
                 task.add_done_callback(self._releases.discard)
+
+
+def _seconds(value: float | None) -> str:
+    return "nothing" if value is None else f"{value:.2f} s"
 
 
 async def _quiet(call) -> None:

@@ -101,8 +101,11 @@ class Worker:
         return len(self.seats) if self.role == "decode" else self.num_prefills
 
     def prefill_load(self, now_s: float, matched_tokens: int = 0) -> PrefillLoad:
-        return PrefillLoad(self.address, self.queued_tokens,
-                           self.prefill_meter.tokens_per_s(now_s, self.queued_tokens), matched_tokens)
+        # A worker a prompt was just taken back from promises no start time (placement then
+        # prefers a decode worker with a known rate) until it completes one again.
+        meter = self.prefill_meter
+        rate = None if meter.stalled(now_s) else meter.tokens_per_s(now_s, self.queued_tokens)
+        return PrefillLoad(self.address, self.queued_tokens, rate, matched_tokens)
 
     def decode_load(self, now_s: float) -> DecodeLoad:
         assert self.info is not None

@@ -137,3 +137,17 @@ def test_service_meter_rate_is_bounded_by_pending_work_left_unanswered():
     assert m.tokens_per_s(14.0) == pytest.approx(400.0)  # without pending work: the measured rate
     m.finish(40, 14.0)
     assert m.tokens_per_s(14.0, pending_tokens=0) == pytest.approx(440 / 5.0)
+
+
+def test_service_meter_reads_at_most_an_abandoned_requests_rate_until_its_next_completion():
+    m = ServiceMeter()
+    m.start(0.0)
+    m.finish(400, 1.0)  # 400 tok/s, with the cores
+    m.start(10.0)
+    m.abandon(40, 2.0, 12.0)  # taken back unanswered after 2 s: at most 20 tok/s now
+    assert m.tokens_per_s(12.0) == pytest.approx(20.0) and m.stalled(12.0)
+    assert m.tokens_per_s(12.0 + m.max_age_s + 1) is None  # both aged out
+    assert not m.stalled(12.0 + m.max_age_s + 1)
+    m.start(20.0)
+    m.finish(100, 21.0)  # it answers again: its completions speak for it
+    assert m.tokens_per_s(21.0) == pytest.approx(500 / 2.0) and not m.stalled(21.0)

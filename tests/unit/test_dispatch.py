@@ -271,3 +271,47 @@ def test_fifo_never_refuses_a_queued_request_on_its_objective():
         return done, queued
 
     assert run(scenario()) == (False, 1)
+
+
+def test_a_stalled_remote_prefill_is_moved_to_a_decode_worker_and_the_tier_sees_the_slowdown():
+    async def scenario():
+        d, pool, clock = dispatcher()
+        p0, d0 = measured_prefill(pool, 4000), pool.by_address("d0")  # 400 tok/s
+        d0.seats.add(d._seat(ticket("running", 10)))  # decode busy, prefilling at 200 tok/s
+        d0.local_meter.start(99.0)
+        d0.local_meter.finish(200, 100.0)
+        t = ticket("short", 40)
+        grant = await d.acquire(t)
+        assert grant.placement.where is Where.REMOTE and grant.placement.predicted_ttft_s == pytest.approx(0.1)
+        assert d.stalled_after_s(t, grant.placement) == pytest.approx(0.25)
+        clock.now += 0.25
+        moved = d.move_stalled(p0, t, waited_s=0.25)
+        assert (moved.placement.where, moved.placement.worker) == (Where.LOCAL, "d0")
+        assert moved.seat in d0.seats and moved.seat.local_prefill_tokens == 40
+        assert (p0.queued_tokens, p0.num_prefills) == (0, 0)
+        # At most 40 tokens in 0.25 s, and no start to promise: the next short prompt is
+        # prefilled where it is sure to start (0.4 s behind the moved one at 200 tok/s).
+        assert p0.prefill_meter.tokens_per_s(clock.now) == pytest.approx(160.0)
+        assert p0.prefill_load(clock.now).tokens_per_s is None
+        nxt = await d.acquire(ticket("next", 40, arrival=clock.now))
+        return nxt.placement.where
+
+    assert run(scenario()) is Where.LOCAL
+
+
+def test_a_stalled_remote_prefill_stays_while_no_decode_worker_has_a_seat():
+    async def scenario():
+        d, pool, clock = dispatcher()
+        p0, d0 = measured_prefill(pool, 4000), pool.by_address("d0")
+        for i in range(8):  # max_num_seqs 8: full
+            d0.seats.add(d._seat(ticket(f"running{i}", 10)))
+        t = ticket("short", 40)
+        grant = await d.acquire(t)
+        assert grant.placement.where is Where.REMOTE
+        clock.now += 1.0
+        assert d.move_stalled(p0, t, waited_s=1.0) is None
+        assert (p0.queued_tokens, p0.num_prefills) == (40, 1)  # still the tier's to answer
+        d.prefill_done(p0, t, num_cached_tokens=0)
+        return p0.queued_tokens
+
+    assert run(scenario()) == 0

@@ -14,8 +14,10 @@ from gateway.placement import (
     RunningRequest,
     Where,
     decode_slack_s,
+    move_stalled,
     pick_decode,
     place,
+    stalled_after_s,
 )
 
 CFG = PlacementConfig(prefill_queue_tokens=1024, local_prefill_max_tokens=256)
@@ -152,3 +154,28 @@ def test_short_prompt_goes_local_when_the_tier_rate_is_unknown_and_the_decode_ra
     assert (p.where, p.predicted_ttft_s) == (Where.LOCAL, pytest.approx(0.4))
     # Unknown locally too: the tier measures it.
     assert place(40, 80, [prefill(tps=None)], [decode(running=2, tps=None)], CFG).where is Where.REMOTE
+
+
+def test_a_remote_prefill_is_stalled_after_twice_its_prediction_and_never_for_a_long_prompt():
+    assert stalled_after_s(100, 0.5, CFG) == pytest.approx(1.0)
+    assert stalled_after_s(100, 0.05, CFG) == pytest.approx(0.25)  # never before rescue_min_s
+    assert stalled_after_s(100, None, CFG) == pytest.approx(1.0)  # nothing predicted it
+    assert stalled_after_s(257, 0.5, CFG) is None  # too long for a decode worker: it stays
+
+
+def test_a_stalled_prompt_moves_to_the_decode_worker_that_takes_it_soonest():
+    busy = decode("d0", running=3, local_tokens=100, tps=100.0, slack=5.0)
+    free = decode("d1", running=1, tps=100.0, slack=5.0)
+    p = move_stalled(40, 80, [busy, free], CFG)
+    assert (p.where, p.worker) == (Where.LOCAL, "d1")
+    assert p.predicted_ttft_s == pytest.approx(0.4)
+
+
+def test_a_stalled_prompt_stays_when_no_decode_worker_can_take_it():
+    no_slack = decode(running=3, tps=100.0, slack=0.1)  # a 0.4 s stall breaks their objectives
+    assert move_stalled(40, 80, [no_slack], CFG) is None
+    assert move_stalled(40, 80, [decode(running=64, max_seqs=64)], CFG) is None  # no seat
+    assert move_stalled(300, 400, [decode()], CFG) is None  # too long
+    # Its TTFT objective is missed where it is, and met on a decode worker: moved beyond slack.
+    p = move_stalled(40, 80, [no_slack], CFG, ttft_budget_s=0.5)
+    assert (p.where, p.worker) == (Where.LOCAL, "d0")

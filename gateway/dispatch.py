@@ -94,7 +94,7 @@ class Dispatcher:
         ttft = predict_ttft_s(ahead, ticket.num_prompt_tokens, sum(rates) if rates else None)
         decode = [w.decode_load(now) for w in self._workers.routable("decode")]
         if ticket.num_prompt_tokens <= self._placement.local_prefill_max_tokens:
-            local = [predict_ttft_s(d.local_prefill_tokens, ticket.num_prompt_tokens, d.local_tokens_per_s)
+            local = [d.local_ttft_s(ticket.num_prompt_tokens)
                      for d in decode if d.has_seat(ticket.num_prompt_tokens + ticket.max_tokens)]
             known = [t for t in local if t is not None]
             if known:
@@ -216,6 +216,8 @@ class Dispatcher:
             return None
         seat = self._seat(ticket)
         seat.local_prefill_tokens = ticket.num_prompt_tokens
+        seat.local_start_s = now
+        seat.local_step_tokens = ticket.num_prompt_tokens + sum(s.local_prefill_tokens for s in worker.seats)
         worker.seats.add(seat)
         worker.local_meter.start(now)
         return seat
@@ -329,6 +331,8 @@ class Dispatcher:
         seat.num_generated = num_tokens
         if seat.local_prefill_tokens:
             worker.local_meter.finish(max(seat.local_prefill_tokens - num_cached_tokens, 1), now)
+            worker.local_latency.observe(max(seat.local_step_tokens - num_cached_tokens, 1),
+                                         now - seat.local_start_s, now)
             worker.last_local_prefill_s = now
             seat.local_prefill_tokens = 0
             self.pump()

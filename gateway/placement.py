@@ -72,6 +72,18 @@ class DecodeLoad:
     local_prefill_tokens: int  # prompt tokens of local prefills not yet at their first token
     local_tokens_per_s: float | None
     slack_s: float  # stall its running requests absorb within their TPOT objectives
+    # Time to a local prompt's first token as (seconds, seconds per token of the step's
+    # prompts), measured; None: not yet (the rate above then stands in).
+    local_ttft_fit: tuple[float, float] | None = None
+
+    def local_ttft_s(self, num_prompt_tokens: int) -> float | None:
+        """When a prompt sent here now gets its first token: it runs in the engine's next
+        step together with the local prompts already waiting."""
+        tokens = self.local_prefill_tokens + num_prompt_tokens
+        if self.local_ttft_fit is not None:
+            base, per_token = self.local_ttft_fit
+            return base + per_token * tokens
+        return tokens / self.local_tokens_per_s if self.local_tokens_per_s else None
 
     def has_seat(self, kv_tokens: int) -> bool:
         return (self.num_running < self.max_num_seqs
@@ -160,7 +172,7 @@ def _best_local(num_prompt_tokens: int, kv_tokens: int, decode: list[DecodeLoad]
         stall_s = num_prompt_tokens / d.local_tokens_per_s if d.local_tokens_per_s else None
         if not d.idle and (stall_s is None or (within_slack and stall_s > d.slack_s)):
             continue
-        eta = (d.local_prefill_tokens + num_prompt_tokens) / d.local_tokens_per_s if d.local_tokens_per_s else None
+        eta = d.local_ttft_s(num_prompt_tokens)
         key = (math.inf if eta is None else eta, d.num_running)
         if best is None or key < best[0]:
             best = (key, Placement(Where.LOCAL, d.worker, eta))

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from gateway.admission import ServiceMeter, StepMeter
+from gateway.admission import LatencyMeter, ServiceMeter, StepMeter
 from gateway.placement import DecodeLoad, PrefillLoad, RunningRequest, decode_slack_s
 from pdserve import rpc
 from protos import worker_pb2, worker_pb2_grpc
@@ -42,6 +42,8 @@ class Seat:
     num_generated: int = 0
     first_token_s: float | None = None
     local_prefill_tokens: int = 0  # prompt tokens it prefills here, until its first token
+    local_start_s: float = 0.0  # when its local prefill was placed
+    local_step_tokens: int = 0  # its prompt and the local prompts pending with it then
 
     def view(self) -> RunningRequest:
         return RunningRequest(self.tpot_slo_s, self.max_tokens, self.num_generated, self.first_token_s)
@@ -75,6 +77,7 @@ class Worker:
     # Decode: its seats, and the rates of its own prefills and of its steps.
     seats: set[Seat] = field(default_factory=set)
     local_meter: ServiceMeter = field(default_factory=ServiceMeter)
+    local_latency: LatencyMeter = field(default_factory=LatencyMeter)
     step_meter: StepMeter = field(default_factory=StepMeter)
     last_local_prefill_s: float = float("-inf")  # when its latest local prefill finished
 
@@ -124,6 +127,7 @@ class Worker:
             local_prefill_tokens=local_tokens,
             local_tokens_per_s=local_tps,
             slack_s=slack,
+            local_ttft_fit=self.local_latency.fit(now_s),
         )
 
 

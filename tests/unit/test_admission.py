@@ -151,3 +151,31 @@ def test_service_meter_reads_at_most_an_abandoned_requests_rate_until_its_next_c
     m.start(20.0)
     m.finish(100, 21.0)  # it answers again: its completions speak for it
     assert m.tokens_per_s(21.0) == pytest.approx(500 / 2.0) and not m.stalled(21.0)
+
+
+def test_latency_meter_fits_a_fixed_part_and_a_part_per_token():
+    from gateway.admission import LatencyMeter
+
+    m = LatencyMeter()
+    assert m.fit(0.0) is None
+    for tokens, seconds in ((40, 0.20), (80, 0.24), (60, 0.22)):
+        m.observe(tokens, seconds, 1.0)
+    base, per_token = m.fit(1.0)
+    assert (base, per_token) == (pytest.approx(0.16), pytest.approx(0.001))
+    assert m.predict(100, 1.0) == pytest.approx(0.26)
+    assert m.fit(1.0 + m.max_age_s + 1) is None  # aged out
+
+
+def test_latency_meter_without_a_slope_to_fit_predicts_the_mean():
+    from gateway.admission import LatencyMeter
+
+    alike, sloping_down, steep = LatencyMeter(), LatencyMeter(), LatencyMeter()
+    for seconds in (0.2, 0.3, 0.25):
+        alike.observe(40, seconds, 0.0)
+    sloping_down.observe(40, 0.3, 0.0)
+    sloping_down.observe(80, 0.2, 0.0)
+    steep.observe(40, 0.1, 0.0)  # a fit through these crosses zero: a rate instead
+    steep.observe(80, 0.4, 0.0)
+    assert alike.fit(0.0) == (pytest.approx(0.25), 0.0)
+    assert sloping_down.fit(0.0) == (pytest.approx(0.25), 0.0)
+    assert steep.fit(0.0) == (0.0, pytest.approx(0.5 / 120))

@@ -315,3 +315,30 @@ def test_a_stalled_remote_prefill_stays_while_no_decode_worker_has_a_seat():
         return p0.queued_tokens
 
     assert run(scenario()) == 0
+
+
+def test_local_prefills_time_their_first_token_and_admission_uses_it():
+    async def scenario():
+        d, pool, clock = dispatcher(ttft=0.4)
+        d0 = pool.by_address("d0")
+        d0.seats.add(d._seat(ticket("running", 10)))  # decode busy
+        d0.local_meter.start(99.0)
+        d0.local_meter.finish(40, 99.2)  # 40 tokens in 0.2 s: 200 tok/s
+        pending = await d.acquire(ticket("pending", 40, ttft=0.4))  # local: 0.2 s
+        rate_based = d.forecast(ticket("probe", 60, ttft=0.4)).ttft_s  # (40 + 60) / 200
+        clock.now += 0.2
+        d.first_token(d0, pending.seat, 1, num_cached_tokens=0)
+        a = await d.acquire(ticket("a", 40, arrival=clock.now, ttft=0.4))
+        b = await d.acquire(ticket("b", 40, arrival=clock.now, ttft=0.4))
+        clock.now += 0.24
+        d.first_token(d0, a.seat, 1, num_cached_tokens=0)  # 40 tokens ran with b's 40
+        d.first_token(d0, b.seat, 1, num_cached_tokens=0)
+        fit = d0.local_latency.fit(clock.now)
+        d.admit(ticket("fits", 60, arrival=clock.now, ttft=0.4))
+        return rate_based, [s.local_step_tokens for s in (pending.seat, a.seat, b.seat)], fit
+
+    rate_based, step_tokens, fit = run(scenario())
+    assert rate_based == pytest.approx(0.5)  # a rate would refuse it
+    assert step_tokens == [40, 40, 80]
+    # (40, 0.2), (40, 0.24), (80, 0.24): 0.2 s + 0.5 ms per token; 60 tokens: 0.23 s.
+    assert fit == (pytest.approx(0.2), pytest.approx(0.0005))

@@ -179,3 +179,12 @@ def test_a_stalled_prompt_stays_when_no_decode_worker_can_take_it():
     # Its TTFT objective is missed where it is, and met on a decode worker: moved beyond slack.
     p = move_stalled(40, 80, [no_slack], CFG, ttft_budget_s=0.5)
     assert (p.where, p.worker) == (Where.LOCAL, "d0")
+
+
+def test_a_measured_local_latency_counts_the_fixed_part_once_for_prompts_batched_together():
+    # 0.16 s + 1 ms per token of the step's prompts: 40 pending + 60 new = 0.26 s, where a
+    # rate of 200 tok/s (40 tokens in 0.2 s alone) would say 0.5 s.
+    d = DecodeLoad("d0", 2, 64, 0, 10_000, 40, 200.0, math.inf, local_ttft_fit=(0.16, 0.001))
+    assert d.local_ttft_s(60) == pytest.approx(0.26)
+    p = place(60, 100, [prefill(tps=200.0)], [d], CFG)
+    assert (p.where, p.predicted_ttft_s) == (Where.LOCAL, pytest.approx(0.26))

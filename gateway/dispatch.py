@@ -100,7 +100,7 @@ class Dispatcher:
             if known:
                 ttft = min(known) if ttft is None else min(ttft, min(known))
         steps = [s for w in self._workers.routable("decode")
-                 if (s := w.step_meter.predict(len(w.seats) + 1, now)) is not None]
+                 if (s := w.predict_tpot_s(len(w.seats) + 1, now)) is not None]
         waited = now - ticket.arrival_s
         return Forecast(None if ttft is None else ttft + waited, min(steps) if steps else None)
 
@@ -218,7 +218,7 @@ class Dispatcher:
         seat.local_prefill_tokens = ticket.num_prompt_tokens
         seat.local_start_s = now
         seat.local_step_tokens = ticket.num_prompt_tokens + sum(s.local_prefill_tokens for s in worker.seats)
-        worker.seats.add(seat)
+        self._join(worker, seat, now)
         worker.local_meter.start(now)
         return seat
 
@@ -309,8 +309,13 @@ class Dispatcher:
             worker = await future
         else:
             worker = self._workers.by_address(chosen)
-        worker.seats.add(seat)
+        self._join(worker, seat, self._clock())
         return worker, seat
+
+    @staticmethod
+    def _join(worker: Worker, seat: Seat, now: float) -> None:
+        seat.predicted_step_s = worker.step_meter.predict(len(worker.seats) + 1, now)
+        worker.seats.add(seat)
 
     def _serve_seat_waiters(self, now: float) -> None:
         while self._seat_waiters:
@@ -349,8 +354,14 @@ class Dispatcher:
         if num_tokens and not stalled:
             worker.step_meter.observe(len(worker.seats), gap_s / num_tokens, now)
 
-    def release(self, worker: Worker, seat: Seat) -> None:
+    def release(self, worker: Worker, seat: Seat, finished: bool = False) -> None:
+        """The seat's stream ended; ``finished``: with the engine's finish reason, so its
+        TPOT is measured against the step estimate it joined on."""
+        now = self._clock()
         if seat.local_prefill_tokens:  # ended before its first token
-            worker.local_meter.cancel(self._clock())
+            worker.local_meter.cancel(now)
+        elif finished and seat.first_token_s is not None and seat.predicted_step_s and seat.num_generated > 1:
+            tpot_s = (now - seat.first_token_s) / (seat.num_generated - 1)
+            worker.tpot_ratio.observe(tpot_s, seat.predicted_step_s, now)
         worker.seats.discard(seat)
         self.pump()

@@ -247,6 +247,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             request.kv.CopyFrom(kv)
         call = worker.stub.Decode(request)
         last_s: float | None = None  # the first chunk's wait is a prefill or a KV load, not a step
+        finished = False
         try:
             async for chunk in call:
                 now = time.monotonic()
@@ -260,6 +261,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 reply = stream.reply(list(chunk.token_ids), chunk.finish_reason)
                 if chunk.finish_reason:
                     metrics.KV_HANDOFF_TOKENS.inc(chunk.num_external_tokens)
+                finished = bool(chunk.finish_reason)
                 yield reply
                 if reply.finish_reason:
                     return
@@ -268,7 +270,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             raise WorkerGone.wrap(worker, e) from e
         finally:
             call.cancel()
-            self._dispatcher.release(worker, seat)
+            self._dispatcher.release(worker, seat, finished)
 
     def _release(self, kv: worker_pb2.KvHandle) -> None:
         """Frees an unused handoff now rather than at lease expiry (best effort)."""

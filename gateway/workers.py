@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from gateway.admission import LatencyMeter, ServiceMeter, StepMeter
+from gateway.admission import LatencyMeter, RatioMeter, ServiceMeter, StepMeter
 from gateway.placement import DecodeLoad, PrefillLoad, RunningRequest, decode_slack_s
 from pdserve import rpc
 from protos import worker_pb2, worker_pb2_grpc
@@ -44,6 +44,7 @@ class Seat:
     local_prefill_tokens: int = 0  # prompt tokens it prefills here, until its first token
     local_start_s: float = 0.0  # when its local prefill was placed
     local_step_tokens: int = 0  # its prompt and the local prompts pending with it then
+    predicted_step_s: float | None = None  # the step estimate when it joined (unscaled)
 
     def view(self) -> RunningRequest:
         return RunningRequest(self.tpot_slo_s, self.max_tokens, self.num_generated, self.first_token_s)
@@ -78,6 +79,7 @@ class Worker:
     seats: set[Seat] = field(default_factory=set)
     local_meter: ServiceMeter = field(default_factory=ServiceMeter)
     local_latency: LatencyMeter = field(default_factory=LatencyMeter)
+    tpot_ratio: RatioMeter = field(default_factory=RatioMeter)
     step_meter: StepMeter = field(default_factory=StepMeter)
     last_local_prefill_s: float = float("-inf")  # when its latest local prefill finished
 
@@ -110,12 +112,17 @@ class Worker:
         rate = None if meter.stalled(now_s) else meter.tokens_per_s(now_s, self.queued_tokens)
         return PrefillLoad(self.address, self.queued_tokens, rate, matched_tokens)
 
+    def predict_tpot_s(self, num_running: int, now_s: float) -> float | None:
+        """Time per token with this many requests running: the step estimate, scaled by how
+        far recent requests' own TPOT ran from it."""
+        step = self.step_meter.predict(num_running, now_s)
+        return None if step is None else step * self.tpot_ratio.ratio(now_s)
+
     def decode_load(self, now_s: float) -> DecodeLoad:
         assert self.info is not None
         local_tokens = sum(s.local_prefill_tokens for s in self.seats)
         local_tps = self.local_meter.tokens_per_s(now_s, local_tokens)
-        slack = decode_slack_s([s.view() for s in self.seats],
-                               self.step_meter.predict(len(self.seats), now_s), now_s)
+        slack = decode_slack_s([s.view() for s in self.seats], self.predict_tpot_s(len(self.seats), now_s), now_s)
         if local_tps and local_tokens:
             slack = max(0.0, slack - local_tokens / local_tps)  # stalls already on their way
         return DecodeLoad(

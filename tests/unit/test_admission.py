@@ -179,3 +179,17 @@ def test_latency_meter_without_a_slope_to_fit_predicts_the_mean():
     assert alike.fit(0.0) == (pytest.approx(0.25), 0.0)
     assert sloping_down.fit(0.0) == (pytest.approx(0.25), 0.0)
     assert steep.fit(0.0) == (0.0, pytest.approx(0.5 / 120))
+
+
+def test_ratio_meter_is_the_median_of_recent_requests_measured_over_predicted():
+    from gateway.admission import RatioMeter
+
+    m = RatioMeter()
+    m.observe(0.110, 0.100, 1.0)
+    m.observe(0.120, 0.100, 2.0)
+    assert m.ratio(2.0) == 1.0  # two samples: not enough to scale anything
+    m.observe(0.300, 0.100, 3.0)  # one slow request does not set it
+    assert m.ratio(3.0) == pytest.approx(1.2)
+    m.observe(0.0, 0.100, 3.0)  # nothing measured: ignored
+    assert m.ratio(3.0) == pytest.approx(1.2)
+    assert m.ratio(3.0 + m.max_age_s + 2) == 1.0

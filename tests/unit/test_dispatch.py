@@ -342,3 +342,35 @@ def test_local_prefills_time_their_first_token_and_admission_uses_it():
     assert step_tokens == [40, 40, 80]
     # (40, 0.2), (40, 0.24), (80, 0.24): 0.2 s + 0.5 ms per token; 60 tokens: 0.23 s.
     assert fit == (pytest.approx(0.2), pytest.approx(0.0005))
+
+
+def test_admission_scales_the_step_estimate_by_what_finished_requests_measured():
+    from gateway.admission import StepMeter
+
+    async def scenario():
+        d, pool, clock = dispatcher()
+        d0 = pool.by_address("d0")
+        d0.step_meter = StepMeter(min_samples=1)
+        d0.step_meter.observe(1, 0.080, clock.now)  # 80 ms per token, one running
+        d0.local_meter.start(clock.now - 0.1)
+        d0.local_meter.finish(40, clock.now)
+
+        async def serve(name: str, finished: bool) -> None:
+            grant = await d.acquire(ticket(name, 40, arrival=clock.now))
+            assert grant.seat.predicted_step_s == pytest.approx(0.080)
+            d.first_token(d0, grant.seat, 1, num_cached_tokens=0)
+            clock.now += 0.1 * 7  # 7 more tokens at 100 ms: 1.25x the estimate
+            d.tokens(d0, grant.seat, 7, 0.7)
+            d.release(d0, grant.seat, finished=finished)
+
+        for name, finished in (("r0", True), ("r1", True), ("cancelled", False)):
+            await serve(name, finished)
+        before = d0.tpot_ratio.ratio(clock.now)  # two measured: not enough
+        await serve("r2", True)
+        forecast = d.forecast(ticket("next", 40, arrival=clock.now))
+        return before, d0.tpot_ratio.ratio(clock.now), forecast.tpot_s
+
+    before, ratio, tpot = run(scenario())
+    assert before == 1.0
+    assert ratio == pytest.approx(1.25)
+    assert tpot == pytest.approx(0.100)

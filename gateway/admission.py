@@ -167,11 +167,15 @@ class StepMeter:
     set by one slow gap would keep refusing until it aged out: seen in the short benchmark,
     five requests in 8 s refused on "95 ms" against a 93 ms objective while the requests
     served ran at a TPOT p99 of 80 ms. The median of several gaps is not moved by one.
+    A step takes well under a second, so a batch size that runs at all is measured many
+    times within ``max_age_s``; one that refusals keep from running is forgotten after it:
+    seen in the short benchmark, batch 2's 87 ms from the first steps after start (later
+    69 ms) refused 12 requests at a batch of 1 over 16 s while it aged out of 20 s.
     """
 
     window: int = 32
     min_samples: int = 3
-    max_age_s: float = 20.0
+    max_age_s: float = 5.0
     _by_bucket: dict[int, deque[tuple[float, float]]] = field(default_factory=dict)  # bucket -> (value, when)
 
     def observe(self, num_running: int, seconds_per_token: float, now_s: float) -> None:

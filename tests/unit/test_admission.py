@@ -193,3 +193,12 @@ def test_ratio_meter_is_the_median_of_recent_requests_measured_over_predicted():
     m.observe(0.0, 0.100, 3.0)  # nothing measured: ignored
     assert m.ratio(3.0) == pytest.approx(1.2)
     assert m.ratio(3.0 + m.max_age_s + 2) == 1.0
+
+
+def test_step_meter_by_default_forgets_a_batch_size_not_run_for_5_s():
+    s = StepMeter()
+    for t in (0.0, 0.1, 0.2):
+        s.observe(2, 0.087, t)  # the first steps after start, slow
+        s.observe(1, 0.063, t + 5.5)
+    assert s.predict(2, 5.1) == pytest.approx(0.087)
+    assert s.predict(2, 5.8) == pytest.approx(0.063)  # refusals kept the batch at 1 since

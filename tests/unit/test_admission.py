@@ -200,5 +200,5 @@ def test_step_meter_by_default_forgets_a_batch_size_not_run_for_5_s():
     for t in (0.0, 0.1, 0.2):
         s.observe(2, 0.087, t)  # the first steps after start, slow
         s.observe(1, 0.063, t + 5.5)
-    assert s.predict(2, 5.1) == pytest.approx(0.087)
+    assert s.predict(2, 4.9) == pytest.approx(0.087)
     assert s.predict(2, 5.8) == pytest.approx(0.063)  # refusals kept the batch at 1 since

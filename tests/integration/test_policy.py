@@ -9,6 +9,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
+import psutil
 import pytest
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
@@ -147,3 +148,44 @@ def test_a_short_prompt_is_placed_on_the_decode_worker_and_a_long_one_on_the_pre
     assert prefill_order(stack, {"place-short", "place-long"}) == ["place-long"]
     # Only the long prompt's KV came through the handoff.
     assert stack.metric(0, "pdserve_kv_handoff_tokens_total") - handoff_before == 900
+
+
+def test_a_short_prompt_stalled_on_the_prefill_tier_is_moved_to_the_decode_worker(stack, prompts):
+    """With the prefill engine stopped (SIGSTOP: as when a busy decode engine keeps an
+    idle-priority prefill engine off the cores), a short prompt sent there is cancelled
+    after twice its predicted time and prefilled on the decode worker, which is busy."""
+    moved_before = stack.metric(0, "pdserve_prefills_moved_total", default=0.0)
+    long_prompt = prompts(50, 900)
+    call(stack, request(long_prompt, "stall-long"))  # the tier's rate, and its prefix cache
+    # Its first 7 blocks are in the prefill worker's cache: 20 tokens of work there, sooner
+    # than a local prefill of 244 on a busy decode worker, so it goes to the tier.
+    short = request(long_prompt[:224] + prompts(51, 20), "stall-short", max_tokens=4)
+    busy = request(prompts(52, 40), "stall-busy", max_tokens=300)
+    engine = psutil.Process(_prefill_worker_pid(stack)).children(recursive=True)
+    assert engine, "the prefill worker has no engine processes"
+    with ThreadPoolExecutor(1) as pool:
+        running = pool.submit(call, stack, busy)
+        wait_for(lambda: stack.metric(2, "vllm:num_requests_running", default=0.0) >= 1 or running.done(), 30)
+        assert not running.done()  # decoding
+        for p in engine:
+            p.suspend()
+        try:
+            started = time.monotonic()
+            replies = call(stack, short, timeout_s=60)
+            elapsed = time.monotonic() - started
+        finally:
+            for p in engine:
+                p.resume()
+        assert running.result()[-1].usage.completion_tokens == 300
+    assert replies[-1].usage.completion_tokens == 4
+    assert elapsed < 30, elapsed
+    assert prefill_order(stack, {"stall-short"}) == ["stall-short"]  # sent there first
+    assert stack.metric(0, "pdserve_prefills_moved_total") - moved_before == 1
+    assert any("request stall-short: prefill worker" in line and "did not answer" in line for line in stack.log)
+
+
+def _prefill_worker_pid(stack) -> int:
+    for p in psutil.Process(stack.proc.pid).children(recursive=True):
+        if "prefill" in p.cmdline() and "pdserve.cli" in p.cmdline():
+            return p.pid
+    raise AssertionError("no prefill worker process under pdserve up")

@@ -157,9 +157,9 @@ def test_a_short_prompt_stalled_on_the_prefill_tier_is_moved_to_the_decode_worke
     moved_before = stack.metric(0, "pdserve_prefills_moved_total", default=0.0)
     long_prompt = prompts(50, 900)
     call(stack, request(long_prompt, "stall-long"))  # the tier's rate, and its prefix cache
-    # Its first 7 blocks are in the prefill worker's cache: 20 tokens of work there, sooner
-    # than a local prefill of 244 on a busy decode worker, so it goes to the tier.
-    short = request(long_prompt[:224] + prompts(51, 20), "stall-short", max_tokens=4)
+    # All 8 of its blocks are in the prefill worker's cache: 1 token of work there, sooner
+    # than a local prefill of 256 on a busy decode worker, so it goes to the tier.
+    short = request(long_prompt[:256], "stall-short", max_tokens=4)
     busy = request(prompts(52, 40), "stall-busy", max_tokens=300)
     engine = psutil.Process(_prefill_worker_pid(stack)).children(recursive=True)
     assert engine, "the prefill worker has no engine processes"

@@ -147,10 +147,6 @@ class LatencyMeter:
             return 0.0, sum(y for _, y in recent) / sum(x for x, _ in recent)
         return base, slope
 
-    def predict(self, num_tokens: int, now_s: float) -> float | None:
-        fit = self.fit(now_s)
-        return None if fit is None else fit[0] + fit[1] * num_tokens
-
 
 def _bucket(num_running: int) -> int:
     """Power-of-two bucket of a batch size: 1, 2, 4, 8, ..."""

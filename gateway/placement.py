@@ -42,10 +42,10 @@ class PlacementConfig:
     # Longest prompt a decode worker may prefill itself; 0: always the prefill tier.
     local_prefill_max_tokens: int = 256
     # A remote prefill is stalled once it runs this many times its predicted time, and
-    # never before rescue_min_s (rescue_unknown_s when nothing predicted it).
-    rescue_factor: float = 2.0
-    rescue_min_s: float = 0.25
-    rescue_unknown_s: float = 1.0
+    # never before stall_min_s (stall_unknown_s when nothing predicted it).
+    stall_factor: float = 2.0
+    stall_min_s: float = 0.25
+    stall_unknown_s: float = 1.0
 
     def __post_init__(self) -> None:
         if self.prefill_queue_tokens < 1:
@@ -137,8 +137,8 @@ def stalled_after_s(num_prompt_tokens: int, predicted_ttft_s: float | None, cfg:
     if num_prompt_tokens > cfg.local_prefill_max_tokens:
         return None
     if predicted_ttft_s is None:
-        return cfg.rescue_unknown_s
-    return max(cfg.rescue_factor * predicted_ttft_s, cfg.rescue_min_s)
+        return cfg.stall_unknown_s
+    return max(cfg.stall_factor * predicted_ttft_s, cfg.stall_min_s)
 
 
 def move_stalled(num_prompt_tokens: int, kv_tokens: int, decode: list[DecodeLoad], cfg: PlacementConfig,

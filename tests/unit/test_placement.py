@@ -158,7 +158,7 @@ def test_short_prompt_goes_local_when_the_tier_rate_is_unknown_and_the_decode_ra
 
 def test_a_remote_prefill_is_stalled_after_twice_its_prediction_and_never_for_a_long_prompt():
     assert stalled_after_s(100, 0.5, CFG) == pytest.approx(1.0)
-    assert stalled_after_s(100, 0.05, CFG) == pytest.approx(0.25)  # never before rescue_min_s
+    assert stalled_after_s(100, 0.05, CFG) == pytest.approx(0.25)  # never before stall_min_s
     assert stalled_after_s(100, None, CFG) == pytest.approx(1.0)  # nothing predicted it
     assert stalled_after_s(257, 0.5, CFG) is None  # too long for a decode worker: it stays
 

@@ -100,7 +100,7 @@ class Dispatcher:
             if known:
                 ttft = min(known) if ttft is None else min(ttft, min(known))
         steps = [s for w in self._workers.routable("decode")
-                 if (s := w.predict_tpot_s(len(w.seats) + 1, now)) is not None]
+                 if (s := w.predict_join_tpot_s(ticket.max_tokens, now)) is not None]
         waited = now - ticket.arrival_s
         return Forecast(None if ttft is None else ttft + waited, min(steps) if steps else None)
 
@@ -314,7 +314,7 @@ class Dispatcher:
 
     @staticmethod
     def _join(worker: Worker, seat: Seat, now: float) -> None:
-        seat.predicted_step_s = worker.step_meter.predict(len(worker.seats) + 1, now)
+        seat.predicted_step_s = worker.join_step_s(seat.max_tokens, now)
         worker.seats.add(seat)
 
     def _serve_seat_waiters(self, now: float) -> None:

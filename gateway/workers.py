@@ -118,6 +118,18 @@ class Worker:
         step = self.step_meter.predict(num_running, now_s)
         return None if step is None else step * self.tpot_ratio.ratio(now_s)
 
+    def join_step_s(self, max_tokens: int, now_s: float) -> float | None:
+        """The step estimate over the life of a request of ``max_tokens`` joining now, as
+        the running requests finish (unscaled: what `tpot_ratio` measures against)."""
+        remaining = [max(s.max_tokens - s.num_generated, 0) for s in self.seats]
+        return self.step_meter.predict_life(remaining, max_tokens - 1, now_s)
+
+    def predict_join_tpot_s(self, max_tokens: int, now_s: float) -> float | None:
+        """The TPOT a request of ``max_tokens`` joining now should see: `join_step_s`,
+        scaled by how far recent requests' own TPOT ran from it."""
+        step = self.join_step_s(max_tokens, now_s)
+        return None if step is None else step * self.tpot_ratio.ratio(now_s)
+
     def decode_load(self, now_s: float) -> DecodeLoad:
         assert self.info is not None
         local_tokens = sum(s.local_prefill_tokens for s in self.seats)

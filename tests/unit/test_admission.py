@@ -201,3 +201,28 @@ def test_step_meter_by_default_forgets_a_batch_size_not_run_for_5_s():
         s.observe(1, 0.063, t + 5.5)
     assert s.predict(2, 4.9) == pytest.approx(0.087)
     assert s.predict(2, 5.8) == pytest.approx(0.063)  # refusals kept the batch at 1 since
+
+
+def test_step_meter_predicts_a_joining_requests_life_as_the_running_ones_leave():
+    s = StepMeter(min_samples=1)
+    s.observe(1, 0.040, 0.0)
+    s.observe(2, 0.060, 0.0)
+    s.observe(4, 0.100, 0.0)
+    # Alone for 10 steps: 40 ms.
+    assert s.predict_life([], 10, 0.0) == pytest.approx(0.040)
+    # Two running with 2 and 5 to go, 10 steps: batch 3 (bucket 4, 100 ms) for 2 steps,
+    # batch 2 for 3, alone for 5: (0.2 + 0.18 + 0.2) / 10.
+    assert s.predict_life([5, 2], 10, 0.0) == pytest.approx(0.058)
+    # Running ones that outlive it: batch 3 throughout.
+    assert s.predict_life([50, 20], 10, 0.0) == pytest.approx(0.100)
+    # Equal remainders leave together: batch 3 for 4 steps, then alone for 4.
+    assert s.predict_life([4, 4], 8, 0.0) == pytest.approx((0.4 + 0.16) / 8)
+    assert StepMeter().predict_life([3], 10, 0.0) is None
+
+
+def test_step_meter_life_uses_a_larger_bucket_when_no_smaller_one_is_recent():
+    s = StepMeter(min_samples=1)
+    s.observe(4, 0.100, 0.0)  # only batches of 3-4 measured (the load kept it there)
+    # Alone after 1 step: no bucket 1 or 2 measured, so bucket 4's 100 ms bounds it.
+    assert s.predict_life([1, 1], 4, 0.0) == pytest.approx(0.100)
+    assert s.predict(1, 0.0) is None

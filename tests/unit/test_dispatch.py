@@ -374,3 +374,28 @@ def test_admission_scales_the_step_estimate_by_what_finished_requests_measured()
     assert before == 1.0
     assert ratio == pytest.approx(1.25)
     assert tpot == pytest.approx(0.100)
+
+
+def test_tpot_admission_counts_running_requests_leaving_during_the_new_ones_life():
+    """Two running requests 4 tokens from their ends: a 33-token request runs 4 steps at a
+    batch of 3 and 28 alone, 65 ms on average: admitted under a 90 ms objective that the
+    batch it joins (100 ms a step) would refuse it on; with 40 to go they outlive it."""
+    from gateway.admission import StepMeter
+    from gateway.workers import Seat
+
+    d, pool, clock = dispatcher()
+    d0 = pool.by_address("d0")
+    d0.step_meter = StepMeter(min_samples=1)
+    for batch, step in ((1, 0.060), (2, 0.080), (4, 0.100)):
+        d0.step_meter.observe(batch, step, clock.now)
+    seats = [Seat(f"r{i}", kv_tokens=100, max_tokens=64, tpot_slo_s=None, num_generated=60,
+                  first_token_s=clock.now - 5) for i in range(2)]
+    d0.seats.update(seats)
+    new = Ticket("new", I, 40, 33, clock.now, tpot_slo_s=0.090)
+    assert d.forecast(new).tpot_s == pytest.approx((4 * 0.100 + 28 * 0.060) / 32)
+    d.admit(new)
+    for s in seats:
+        s.num_generated = 24
+    assert d.forecast(new).tpot_s == pytest.approx(0.100)
+    with pytest.raises(Refused, match="predicted time per output token 100 ms"):
+        d.admit(new)

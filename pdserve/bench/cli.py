@@ -182,6 +182,9 @@ def _add_compare_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--pdserve-target", help="benchmark this running pdserve instead of starting one")
     g.add_argument("--vllm-url", help="benchmark this running vLLM instead of starting one")
     g.add_argument("--boot-timeout-s", type=float, default=600.0)
+    g.add_argument("--sequential", action="store_true",
+                   help="boot, measure and stop one system after the other (default: boot "
+                        "all, alternate their rates, so the machine's drift hits both)")
     g.add_argument("--log-dir", type=Path, default=Path("bench-logs"),
                    help="server output goes to LOG_DIR/<system>.log")
 
@@ -269,7 +272,8 @@ def compare_config(args: argparse.Namespace, model: Path) -> CompareConfig:
         bench=bench_config(args), model=model, workload_name=workload_name, systems=systems,
         plan=plan, log_dir=args.log_dir, vllm_cpus=args.vllm_cpus,
         vllm_kv_cache_gib=args.vllm_kv_cache_gib, pdserve_target=args.pdserve_target,
-        vllm_url=args.vllm_url, boot_timeout_s=args.boot_timeout_s)
+        vllm_url=args.vllm_url, boot_timeout_s=args.boot_timeout_s,
+        sequential=args.sequential)
 
 
 def _write_json(doc: dict, where: str) -> None:

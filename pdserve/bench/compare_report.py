@@ -7,6 +7,8 @@
   the two systems' goodput intervals allow (e.g. vLLM below the floor F: the ratio is at
   least pdserve's goodput / F, reported as `goodput_rps_lower_bound`). Throughput and
   latencies at one rate both systems were measured at: the highest such rate.
+- `others_idle_cores` per measurement (interleaved): the cores each idle system used while
+  it ran; `config.mode` and `config.measured_in_order` say how the systems took turns.
 - `policy` (when pdserve and pdserve-fifo both ran): the interactive class at the first
   rate where fifo's interactive attainment fell below 90%, under each policy.
 
@@ -189,7 +191,10 @@ def system_dict(system: SystemResult) -> dict:
         "goodput": None if system.search is None else goodput_dict(system.search),
         "stopped_by_budget": system.stopped_by_budget,
         "skipped_rates": system.skipped_rates,
-        "measurements": [sweep_entry(r) for r in system.runs],
+        "measurements": [
+            {**sweep_entry(r), **({"others_idle_cores": system.others_idle_cores[i]}
+                                  if i < len(system.others_idle_cores) else {})}
+            for i, r in enumerate(system.runs)],
     }
 
 
@@ -228,6 +233,8 @@ def compare_dict(cfg: CompareConfig, result: CompareResult) -> dict:
             "floor_rule": "given" if cfg.plan.floor_rps else "start / factor"},
         "goodput": "highest rate with >= 90% of requests meeting their class's SLOs, "
                    "interpolated in the final bracket",
+        "mode": result.mode,
+        "measured_in_order": [[name, rate] for name, rate in result.measured_in_order],
         "budget_s": cfg.plan.budget_s, "elapsed_s": result.elapsed_s,
         "cpu_count": os.cpu_count(),
     }

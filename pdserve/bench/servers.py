@@ -73,6 +73,19 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
+def tree_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) used so far by `pid` and its live descendants."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for p in (pid, *descendants(pid)):
+        try:
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # exited while we looked
+        total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14, 15)
+    return total / tick
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -179,6 +192,10 @@ class ServerProcess:
                     return
                 time.sleep(0.5)
         raise self._not_ready()
+
+    @property
+    def pid(self) -> int | None:
+        return None if self._proc is None else self._proc.pid
 
     def tail(self) -> str:
         return "\n".join(self._tail)

@@ -263,3 +263,73 @@ def test_run_compare_against_a_fake_pdserve_calibrates_searches_and_sends_slos(t
     # Given SLOs are known before the unloaded run, so its requests carry them too.
     assert {(r.slo.ttft_ms, r.slo.tpot_ms) for r in received[:3]} == {(10000, 1000)}
     assert {r.priority for r in measured} == {generation_pb2.PRIORITY_UNSPECIFIED}
+
+
+def test_interleaved_systems_take_turns_and_pdserve_follows_fifo_to_its_policy_rate(
+        monkeypatch):
+    """The turn order with measurements faked: each system's next rate in turn; pdserve
+    measures fifo's first interactive miss (2 req/s) and its search reuses it."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from pdserve.bench import compare
+    from pdserve.bench.search import RateSearch, SearchConfig
+
+    capacity = {"vllm": 3.0, "pdserve-fifo": 2.0, "pdserve": 3.0}  # meets below these
+
+    async def fake_measure(backend, bench, system, rate):
+        att = 1.0 if rate < capacity[system] else 0.5
+        summary = SimpleNamespace(slo_attainment=att,
+                                  by_class={"interactive": SimpleNamespace(slo_attainment=att)})
+        return SimpleNamespace(load=SimpleNamespace(rate_rps=rate), summary=summary)
+
+    monkeypatch.setattr(compare, "measure", fake_measure)
+    out = compare.CompareResult()
+    search = SearchConfig(start_rps=1.0, floor_rps=0.5, factor=2.0, bisections=1,
+                          max_up_steps=2)
+    lanes = []
+    for name in ("vllm", "pdserve-fifo", "pdserve"):
+        out.systems[name] = compare.SystemResult(name)
+        lanes.append(compare.Lane(out.systems[name], None, None, None, RateSearch(search),
+                                  compare.Budget(time.monotonic() + 1e6, 40, 1.0)))
+    asyncio.run(compare.alternate(lanes, out))
+    assert out.measured_in_order == [
+        ("vllm", 1.0), ("pdserve-fifo", 1.0), ("pdserve", 1.0),
+        ("vllm", 2.0), ("pdserve-fifo", 2.0), ("pdserve", 2.0),  # 2.0 is also fifo's miss
+        ("vllm", 4.0), ("pdserve-fifo", 1.41), ("pdserve", 4.0),
+        ("vllm", 2.83), ("pdserve", 2.83)]
+    assert out.systems["pdserve"].search.goodput_rps == out.systems["vllm"].search.goodput_rps
+    assert out.systems["pdserve-fifo"].search.bracket[1].rate_rps == 2.0
+    assert all(lane.done for lane in lanes)
+
+
+def test_interleaved_budget_share_stops_a_search_and_others_time_is_not_charged(monkeypatch):
+    """On a fake clock: each measurement takes its estimate. vLLM's 70 s share holds 1 and
+    2 req/s (42 + 22 s) but not 4 (12 s more), although pdserve's turns took 64 s between."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from pdserve.bench import compare
+    from pdserve.bench.search import RateSearch, SearchConfig
+
+    now = [1000.0]
+
+    async def fake_measure(backend, bench, system, rate):
+        now[0] += 40 / rate + 2.0
+        summary = SimpleNamespace(slo_attainment=1.0, by_class={})
+        return SimpleNamespace(load=SimpleNamespace(rate_rps=rate), summary=summary)
+
+    monkeypatch.setattr(compare, "measure", fake_measure)
+    monkeypatch.setattr(compare, "time", SimpleNamespace(monotonic=lambda: now[0]))
+    out = compare.CompareResult()
+    search = SearchConfig(start_rps=1.0, floor_rps=0.5, max_up_steps=3)
+    lanes = []
+    for name, share_s in (("vllm", 70.0), ("pdserve", 1e6)):
+        out.systems[name] = compare.SystemResult(name)
+        lanes.append(compare.Lane(out.systems[name], None, None, None, RateSearch(search),
+                                  compare.Budget(now[0] + share_s, 41, 1.0)))
+    asyncio.run(compare.alternate(lanes, out))
+    assert out.measured_in_order == [("vllm", 1.0), ("pdserve", 1.0), ("vllm", 2.0),
+                                     ("pdserve", 2.0), ("pdserve", 4.0), ("pdserve", 8.0)]
+    assert out.systems["vllm"].stopped_by_budget and not out.systems["pdserve"].stopped_by_budget
+    assert out.systems["pdserve"].search.status.value == "above_ceiling"

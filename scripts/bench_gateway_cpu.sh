@@ -5,29 +5,35 @@
 #
 #   scripts/bench_gateway_cpu.sh [BEFORE_REV] [OUT_DIR]
 #   defaults:                    1c07105     bench-results/gateway-cpu
+#   scripts/bench_gateway_cpu.sh --intervals [OUT_DIR]
 #
 # The "before" revision runs from a temporary git worktree with this checkout's venv; the
 # benchmark client is always this checkout's. Writes OUT_DIR/{before,after}.json.
+# --intervals: this checkout twice instead, the interactive class streamed one token per
+# message (the default) and four (`--stream-intervals 4,4,8`); writes
+# OUT_DIR/{interval1,interval4}.json. `python -m pdserve.bench.grpc_floor` gives the
+# floor of the same message counts through a bare grpc.aio relay.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-before_rev=${1:-1c07105}; out=${2:-bench-results/gateway-cpu}
+mode=revisions
+if [[ ${1:-} == --intervals ]]; then mode=intervals; shift; out=${1:-bench-results/gateway-cpu}
+else before_rev=${1:-1c07105}; out=${2:-bench-results/gateway-cpu}; fi
 # Absolute, without resolving links: a venv's python is a link to the system one, and only
 # through the venv's path does it find the venv's packages.
 py=${PYTHON:-.venv/bin/python}; py="$(cd "$(dirname "$py")" && pwd)/$(basename "$py")"
 root=$(pwd)
 mkdir -p "$out" bench-logs
-tree=$(mktemp -d /tmp/pdserve-before.XXXXXX)
-git worktree add -q --detach "$tree" "$before_rev"
-cleanup() { git worktree remove --force "$tree" 2>/dev/null || rm -rf "$tree"; }
+tree=
+cleanup() { [[ -z $tree ]] || git worktree remove --force "$tree" 2>/dev/null || rm -rf "$tree"; }
 trap cleanup EXIT
 
-measure() {  # name, source tree
-  local name=$1 src=$2
+measure() {  # name, source tree, extra `pdserve up` arguments
+  local name=$1 src=$2; shift 2
   local port mport
   port=$($py -c 'from pdserve.launcher import free_port; print(free_port())')
   mport=$($py -c 'from pdserve.launcher import free_port_block; print(free_port_block(3))')
   echo "[gateway-cpu] $name: pdserve up from $src" >&2
-  (cd "$src" && PYTHONPATH="$src" exec $py -m pdserve.cli up --port "$port" --metrics-port "$mport") \
+  (cd "$src" && PYTHONPATH="$src" exec $py -m pdserve.cli up --port "$port" --metrics-port "$mport" "$@") \
       > "bench-logs/gateway-cpu-$name.log" 2>&1 &
   local up=$!
   for _ in $(seq 600); do grep -q '^pdserve ready' "bench-logs/gateway-cpu-$name.log" && break; sleep 1; done
@@ -53,12 +59,21 @@ print(sum(p.cpu_times().user + p.cpu_times().system for p in procs))
 PY
 }
 
-measure before "$tree"
-measure after "$root"
-$py - "$out" <<'PY'
+if [[ $mode == intervals ]]; then
+  names="interval1 interval4"
+  measure interval1 "$root"
+  measure interval4 "$root" --stream-intervals 4,4,8
+else
+  names="before after"
+  tree=$(mktemp -d /tmp/pdserve-before.XXXXXX)
+  git worktree add -q --detach "$tree" "$before_rev"
+  measure before "$tree"
+  measure after "$root"
+fi
+$py - "$out" $names <<'PY'
 import json, sys, pathlib
 out = pathlib.Path(sys.argv[1])
-for name in ("before", "after"):
+for name in sys.argv[2:]:
     run = json.loads((out / f"{name}.json").read_text())["runs"][0]
     tokens = run["summary"]["output_tokens"]
     tree_s = float((out / f"{name}.tree_cpu_s").read_text())

@@ -314,7 +314,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    from pdserve.bench import compare, compare_report
+    from pdserve.bench import compare, compare_report, interleave
     from pdserve.bench.report import write_plots
 
     model = args.model or default_model_path()
@@ -327,7 +327,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"pdserve bench compare: {e}", file=sys.stderr)
         return 2
-    result = compare.run_compare(cfg)
+    result = (compare.run_sequential if cfg.sequential else interleave.run_interleaved)(cfg)
     doc = compare_report.compare_dict(cfg, result)
     print(compare_report.format_compare(doc),
           file=sys.stderr if args.json == "-" else sys.stdout)

@@ -209,7 +209,8 @@ def test_cli_compare_mixed_runs_three_systems_fifo_before_slo(tmp_path):
         parse(["bench", "compare", "--rates", "1,2"])  # the search chooses the rates
 
 
-def test_run_compare_against_a_fake_pdserve_calibrates_searches_and_sends_slos(tmp_path):
+@pytest.mark.parametrize("driver", ["interleaved", "sequential"])
+def test_run_compare_against_a_fake_pdserve_calibrates_searches_and_sends_slos(tmp_path, driver):
     """The whole driver on an in-process gRPC fake that never slows down: the unloaded run
     sets the SLOs and start rate, the search climbs to its ceiling, every request carries
     its class priority and SLO."""
@@ -217,7 +218,8 @@ def test_run_compare_against_a_fake_pdserve_calibrates_searches_and_sends_slos(t
 
     import grpc
 
-    from pdserve.bench.compare import run_compare
+    from pdserve.bench.compare import run_sequential
+    from pdserve.bench.interleave import run_interleaved
     from pdserve.bench.workload import LengthRange, WorkloadConfig
     from protos import generation_pb2, generation_pb2_grpc
 
@@ -244,7 +246,7 @@ def test_run_compare_against_a_fake_pdserve_calibrates_searches_and_sends_slos(t
                         pdserve_target=f"127.0.0.1:{port}",
                         plan=SearchPlan(max_up_steps=1, calibration_requests=2, budget_s=60))
     try:
-        result = run_compare(cfg)
+        result = (run_interleaved if driver == "interleaved" else run_sequential)(cfg)
     finally:
         server.stop(None)
     system = result.systems["pdserve"]
@@ -272,7 +274,7 @@ def test_interleaved_systems_take_turns_and_pdserve_follows_fifo_to_its_policy_r
     import asyncio
     from types import SimpleNamespace
 
-    from pdserve.bench import compare
+    from pdserve.bench import compare, interleave
     from pdserve.bench.search import RateSearch, SearchConfig
 
     capacity = {"vllm": 3.0, "pdserve-fifo": 2.0, "pdserve": 3.0}  # meets below these
@@ -283,16 +285,16 @@ def test_interleaved_systems_take_turns_and_pdserve_follows_fifo_to_its_policy_r
                                   by_class={"interactive": SimpleNamespace(slo_attainment=att)})
         return SimpleNamespace(load=SimpleNamespace(rate_rps=rate), summary=summary)
 
-    monkeypatch.setattr(compare, "measure", fake_measure)
+    monkeypatch.setattr(interleave, "measure", fake_measure)
     out = compare.CompareResult()
     search = SearchConfig(start_rps=1.0, floor_rps=0.5, factor=2.0, bisections=1,
                           max_up_steps=2)
     lanes = []
     for name in ("vllm", "pdserve-fifo", "pdserve"):
         out.systems[name] = compare.SystemResult(name)
-        lanes.append(compare.Lane(out.systems[name], None, None, None, RateSearch(search),
+        lanes.append(interleave.Lane(out.systems[name], None, None, None, RateSearch(search),
                                   compare.Budget(time.monotonic() + 1e6, 40, 1.0)))
-    asyncio.run(compare.alternate(lanes, out))
+    asyncio.run(interleave.alternate(lanes, out))
     assert out.measured_in_order == [
         ("vllm", 1.0), ("pdserve-fifo", 1.0), ("pdserve", 1.0),
         ("vllm", 2.0), ("pdserve-fifo", 2.0), ("pdserve", 2.0),  # 2.0 is also fifo's miss
@@ -309,7 +311,7 @@ def test_interleaved_budget_share_stops_a_search_and_others_time_is_not_charged(
     import asyncio
     from types import SimpleNamespace
 
-    from pdserve.bench import compare
+    from pdserve.bench import compare, interleave
     from pdserve.bench.search import RateSearch, SearchConfig
 
     now = [1000.0]
@@ -319,16 +321,17 @@ def test_interleaved_budget_share_stops_a_search_and_others_time_is_not_charged(
         summary = SimpleNamespace(slo_attainment=1.0, by_class={})
         return SimpleNamespace(load=SimpleNamespace(rate_rps=rate), summary=summary)
 
-    monkeypatch.setattr(compare, "measure", fake_measure)
-    monkeypatch.setattr(compare, "time", SimpleNamespace(monotonic=lambda: now[0]))
+    monkeypatch.setattr(interleave, "measure", fake_measure)
+    monkeypatch.setattr(interleave, "time", SimpleNamespace(monotonic=lambda: now[0]))
+    monkeypatch.setattr(compare, "time", SimpleNamespace(monotonic=lambda: now[0]))  # Budget
     out = compare.CompareResult()
     search = SearchConfig(start_rps=1.0, floor_rps=0.5, max_up_steps=3)
     lanes = []
     for name, share_s in (("vllm", 70.0), ("pdserve", 1e6)):
         out.systems[name] = compare.SystemResult(name)
-        lanes.append(compare.Lane(out.systems[name], None, None, None, RateSearch(search),
+        lanes.append(interleave.Lane(out.systems[name], None, None, None, RateSearch(search),
                                   compare.Budget(now[0] + share_s, 41, 1.0)))
-    asyncio.run(compare.alternate(lanes, out))
+    asyncio.run(interleave.alternate(lanes, out))
     assert out.measured_in_order == [("vllm", 1.0), ("pdserve", 1.0), ("vllm", 2.0),
                                      ("pdserve", 2.0), ("pdserve", 4.0), ("pdserve", 8.0)]
     assert out.systems["vllm"].stopped_by_budget and not out.systems["pdserve"].stopped_by_budget

@@ -1,0 +1,182 @@
+"""The interleaved compare (the default): every system booted, their rates taking turns.
+
+All systems are booted first and stay up; the first one's unloaded run sets the SLOs and
+the search (`compare.calibrate_on`); then each system in turn (vLLM, pdserve-fifo,
+pdserve) measures its search's next rate while the others idle, so a machine whose speed
+drifts over minutes slows both sides of the ratio alike. Each system's time share is
+counted in its own measurements only (`compare.Budget`, moved on by the time the others
+take). pdserve measures pdserve-fifo's policy rate on its next turn after fifo's miss, and
+its search reuses that measurement if it asks for the same rate. The CPU the idle systems
+used during each measurement is kept with it (`SystemResult.others_idle_cores`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import time
+from dataclasses import dataclass
+
+from pdserve.bench.calibration import CalibrationError
+from pdserve.bench.compare import (Budget, CompareConfig, CompareResult, SystemResult,
+                                   bench_config_for, calibrate_on, describe_outcome,
+                                   extra_rates, log, measure, pdserve_spec, vllm_spec)
+from pdserve.bench.presets import class_weights
+from pdserve.bench.runner import BenchConfig, RunResult, make_backend, warm_up
+from pdserve.bench.search import RateSearch
+from pdserve.bench.servers import ServerError, ServerProcess, free_port, tree_cpu_s
+
+# An idle system using more than this (cores, averaged over another's measurement) is
+# logged: that measurement did not have the machine to itself.
+IDLE_CORES_WARNING = 0.05
+
+@dataclass(slots=True)
+class Lane:
+    """One booted system in the interleaved compare: its search and its time share."""
+
+    result: SystemResult
+    bench: BenchConfig
+    backend: object
+    pid: int | None  # the server's process (None: a given address), for its idle CPU
+    search: RateSearch | None = None
+    budget: Budget | None = None
+    done: bool = False
+
+    @property
+    def name(self) -> str:
+        return self.result.name
+
+    def measured(self) -> dict[float, RunResult]:
+        return {r.load.rate_rps: r for r in self.result.runs}
+
+
+def run_interleaved(cfg: CompareConfig) -> CompareResult:
+    """Boots every system, then measures them in turns (see the module's docstring)."""
+    out = CompareResult(mode="interleaved")
+    started = time.monotonic()
+    deadline = started + cfg.plan.budget_s
+    booted: dict[str, tuple[str, int | None]] = {}  # system -> (address, pid)
+    with contextlib.ExitStack() as servers:
+        for system in cfg.run_order():
+            result = out.systems[system] = SystemResult(system)
+            existing = cfg.vllm_url if system == "vllm" else cfg.pdserve_target
+            if existing is not None:
+                booted[system] = (existing, None)
+                continue
+            port = free_port()
+            spec = vllm_spec(cfg, port) if system == "vllm" else pdserve_spec(cfg, port, system)
+            result.command, result.env = spec.argv, spec.env
+            log(f"starting {system}: {' '.join(spec.argv)}")
+            try:
+                server = servers.enter_context(ServerProcess(spec, cfg.log_dir / f"{system}.log"))
+            except (ServerError, OSError) as e:
+                result.error = str(e)
+                log(f"{system} failed: {e}")
+                continue
+            result.boot_s = server.boot_s
+            log(f"{system} ready in {server.boot_s:.0f} s")
+            address = f"http://127.0.0.1:{port}" if system == "vllm" else f"127.0.0.1:{port}"
+            booted[system] = (address, server.pid)
+        if booted:
+            asyncio.run(measure_interleaved(cfg, booted, out, deadline))
+    out.elapsed_s = time.monotonic() - started
+    return out
+
+
+async def measure_interleaved(cfg: CompareConfig, booted: dict[str, tuple[str, int | None]],
+                              out: CompareResult, deadline: float) -> None:
+    async with contextlib.AsyncExitStack() as stack:
+        lanes: list[Lane] = []
+        for system, (address, pid) in booted.items():
+            bench = bench_config_for(cfg, system, address)
+            backend = await stack.enter_async_context(make_backend(bench))
+            lane = Lane(out.systems[system], bench, backend, pid)
+            try:
+                await warm_up(backend, bench)
+            except OSError as e:
+                lane.result.error = f"warm-up failed: {e}"
+                log(f"{system} failed: {lane.result.error}")
+                continue
+            lanes.append(lane)
+        if not lanes:
+            return
+        first = lanes[0]
+        try:
+            await calibrate_on(cfg, first.name, first.backend, first.bench, out)
+        except CalibrationError as e:
+            first.result.error = str(e)
+            log(f"{first.name} failed: {e}")
+            for lane in lanes[1:]:
+                lane.result.error = f"no SLOs: the unloaded run on {first.name} failed"
+            return
+        assert out.calibration is not None and out.search is not None
+        weights = class_weights(cfg.bench.workload)
+        share_s = (deadline - time.monotonic()) / len(lanes)
+        for lane in lanes:
+            lane.bench = dataclasses.replace(lane.bench, slo=out.calibration.slos())
+            lane.search = RateSearch(out.search)
+            lane.budget = Budget(time.monotonic() + share_s, cfg.bench.num_requests or 0,
+                                 out.calibration.mean_e2e_s(weights))
+        await alternate(lanes, out)
+
+
+async def alternate(lanes: list[Lane], out: CompareResult) -> None:
+    """Turns in `lanes`' order until every search is over (or out of its share)."""
+    while not all(lane.done for lane in lanes):
+        progressed = False
+        for lane in lanes:
+            if not lane.done and await take_turn(lane, lanes, out):
+                progressed = True
+        if not progressed:
+            break
+    for lane in lanes:
+        assert lane.search is not None
+        lane.result.search = lane.search.outcome()
+        log(f"{lane.name} goodput: {describe_outcome(lane.result.search)}")
+
+
+async def take_turn(lane: Lane, lanes: list[Lane], out: CompareResult) -> bool:
+    """Measures `lane`'s next rate (an extra rate first); False when it had nothing to do
+    now (it is done, or waits for fifo's search to say whether it has a policy rate)."""
+    assert lane.search is not None and lane.budget is not None
+    measured = lane.measured()
+    extras = [r for r in extra_rates(lane.name, out) if r not in measured]
+    rate = extras[0] if extras else lane.search.next_rate()
+    while not extras and rate is not None and rate in measured:  # measured as an extra
+        lane.search.record(rate, measured[rate].summary.slo_attainment)
+        rate = lane.search.next_rate()
+    if rate is None:
+        fifo = next((x for x in lanes if x.name == "pdserve-fifo"), None)
+        waits = lane.name == "pdserve" and fifo is not None and not fifo.done
+        lane.done = not waits
+        return False
+    if not lane.budget.fits(rate):
+        log(f"{lane.name}: {rate:g} req/s would take about {lane.budget.cost_s(rate):.0f} s, "
+            f"{lane.budget.left_s():.0f} s left of its share: "
+            + ("extra rate skipped" if extras else "search stopped"))
+        if extras:
+            lane.result.skipped_rates.append(rate)
+        else:
+            lane.result.stopped_by_budget = True
+        lane.done = True
+        return False
+    others = [x for x in lanes if x is not lane and x.pid is not None]
+    cpu_before = {x.name: tree_cpu_s(x.pid) for x in others}
+    started = time.monotonic()
+    run = await measure(lane.backend, lane.bench, lane.name, rate)
+    took = time.monotonic() - started
+    idle = {x.name: round((tree_cpu_s(x.pid) - cpu_before[x.name]) / took, 4) for x in others}
+    for name, cores in idle.items():
+        if cores > IDLE_CORES_WARNING:
+            log(f"warning: {name} used {cores:.2f} cores while idle during {lane.name}'s "
+                f"{rate:g} req/s; that measurement shared the machine")
+    lane.result.runs.append(run)
+    lane.result.others_idle_cores.append(idle)
+    out.measured_in_order.append((lane.name, rate))
+    if not extras:
+        lane.search.record(rate, run.summary.slo_attainment)
+    for other in lanes:  # time one system measures is not taken from the others' shares
+        if other is not lane and other.budget is not None:
+            other.budget.end_s += took
+    return True

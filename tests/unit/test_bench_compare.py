@@ -209,18 +209,13 @@ def test_cli_compare_mixed_runs_three_systems_fifo_before_slo(tmp_path):
         parse(["bench", "compare", "--rates", "1,2"])  # the search chooses the rates
 
 
-@pytest.mark.parametrize("driver", ["interleaved", "sequential"])
-def test_run_compare_against_a_fake_pdserve_calibrates_searches_and_sends_slos(tmp_path, driver):
-    """The whole driver on an in-process gRPC fake that never slows down: the unloaded run
-    sets the SLOs and start rate, the search climbs to its ceiling, every request carries
-    its class priority and SLO."""
+@pytest.fixture
+def fake_pdserve():
+    """An in-process gRPC Generation fake that never slows down: (address, requests seen)."""
     from concurrent import futures
 
     import grpc
 
-    from pdserve.bench.compare import run_sequential
-    from pdserve.bench.interleave import run_interleaved
-    from pdserve.bench.workload import LengthRange, WorkloadConfig
     from protos import generation_pb2, generation_pb2_grpc
 
     received = []
@@ -238,17 +233,37 @@ def test_run_compare_against_a_fake_pdserve_calibrates_searches_and_sends_slos(t
     generation_pb2_grpc.add_GenerationServicer_to_server(Fake(), server)
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
+    try:
+        yield f"127.0.0.1:{port}", received
+    finally:
+        server.stop(None)
+
+
+def fake_compare_config(tmp_path, target: str, systems=("pdserve",)) -> CompareConfig:
+    from pdserve.bench.workload import LengthRange, WorkloadConfig
+
     workload = WorkloadConfig(input_len=LengthRange(4, 8), output_len=LengthRange(3, 3))
     # Given SLOs far above the fake's latencies: timing jitter cannot make a rate miss.
     bench = BenchConfig(concurrency=1, num_requests=3, warmup=1, workload=workload,
                         slo=SLO(10.0, 1.0))
-    cfg = CompareConfig(bench=bench, model=tmp_path, systems=("pdserve",),
-                        pdserve_target=f"127.0.0.1:{port}",
-                        plan=SearchPlan(max_up_steps=1, calibration_requests=2, budget_s=60))
-    try:
-        result = (run_interleaved if driver == "interleaved" else run_sequential)(cfg)
-    finally:
-        server.stop(None)
+    return CompareConfig(bench=bench, model=tmp_path, systems=systems, pdserve_target=target,
+                         plan=SearchPlan(max_up_steps=1, calibration_requests=2, budget_s=60),
+                         log_dir=tmp_path / "logs")
+
+
+@pytest.mark.parametrize("driver", ["interleaved", "sequential"])
+def test_run_compare_against_a_fake_pdserve_calibrates_searches_and_sends_slos(
+        tmp_path, fake_pdserve, driver):
+    """The whole driver on the fake: the unloaded run sets the SLOs and start rate, the
+    search climbs to its ceiling, every request carries its class priority and SLO."""
+    from pdserve.bench.compare import run_sequential
+    from pdserve.bench.interleave import run_interleaved
+    from protos import generation_pb2
+
+    target, received = fake_pdserve
+    cfg = fake_compare_config(tmp_path, target)
+    result = (run_interleaved if driver == "interleaved" else run_sequential)(cfg)
+    assert result.mode == driver
     system = result.systems["pdserve"]
     assert system.error is None and result.calibration.source == "pdserve"
     start = result.search.start_rps
@@ -265,6 +280,30 @@ def test_run_compare_against_a_fake_pdserve_calibrates_searches_and_sends_slos(t
     # Given SLOs are known before the unloaded run, so its requests carry them too.
     assert {(r.slo.ttft_ms, r.slo.tpot_ms) for r in received[:3]} == {(10000, 1000)}
     assert {r.priority for r in measured} == {generation_pb2.PRIORITY_UNSPECIFIED}
+
+
+def test_interleaved_compare_measures_the_systems_that_booted(tmp_path, fake_pdserve,
+                                                               monkeypatch):
+    """vLLM's server exits before it is ready: its error is reported, pdserve is still
+    measured, and the SLOs come from pdserve's unloaded run (the JSON says so)."""
+    import sys
+
+    from pdserve.bench import interleave
+    from pdserve.bench.servers import ServerSpec
+
+    def failing_vllm(cfg, port):
+        return ServerSpec("vllm", [sys.executable, "-c", "import sys; sys.exit(3)"],
+                          health_url=f"http://127.0.0.1:{port}/health", boot_timeout_s=30)
+
+    monkeypatch.setattr(interleave, "vllm_spec", failing_vllm)
+    target, _ = fake_pdserve
+    result = interleave.run_interleaved(fake_compare_config(tmp_path, target,
+                                                            ("vllm", "pdserve")))
+    assert "vllm exited with 3 before it was ready" in result.systems["vllm"].error
+    assert result.systems["vllm"].runs == []
+    assert result.systems["pdserve"].error is None
+    assert result.calibration.source == "pdserve"
+    assert [name for name, _ in result.measured_in_order] == ["pdserve", "pdserve"]
 
 
 def test_interleaved_systems_take_turns_and_pdserve_follows_fifo_to_its_policy_rate(

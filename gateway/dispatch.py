@@ -315,6 +315,7 @@ class Dispatcher:
     @staticmethod
     def _join(worker: Worker, seat: Seat, now: float) -> None:
         seat.predicted_step_s = worker.join_step_s(seat.max_tokens, now)
+        worker.join_meter.observe(seat.max_tokens, now)
         worker.seats.add(seat)
 
     def _serve_seat_waiters(self, now: float) -> None:

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from gateway.admission import LatencyMeter, RatioMeter, ServiceMeter, StepMeter
+from gateway.admission import JoinMeter, LatencyMeter, RatioMeter, ServiceMeter, StepMeter
 from gateway.placement import DecodeLoad, PrefillLoad, RunningRequest, decode_slack_s
 from pdserve import rpc
 from protos import worker_pb2, worker_pb2_grpc
@@ -81,6 +81,7 @@ class Worker:
     local_latency: LatencyMeter = field(default_factory=LatencyMeter)
     tpot_ratio: RatioMeter = field(default_factory=RatioMeter)
     step_meter: StepMeter = field(default_factory=StepMeter)
+    join_meter: JoinMeter = field(default_factory=JoinMeter)
     last_local_prefill_s: float = float("-inf")  # when its latest local prefill finished
 
     @property
@@ -120,9 +121,12 @@ class Worker:
 
     def join_step_s(self, max_tokens: int, now_s: float) -> float | None:
         """The step estimate over the life of a request of ``max_tokens`` joining now, as
-        the running requests finish (unscaled: what `tpot_ratio` measures against)."""
+        the running requests finish and others join at the recent rate (unscaled: what
+        `tpot_ratio` measures against)."""
         remaining = [max(s.max_tokens - s.num_generated, 0) for s in self.seats]
-        return self.step_meter.predict_life(remaining, max_tokens - 1, now_s)
+        step_now = self.step_meter.predict(len(self.seats) + 1, now_s)
+        return self.step_meter.predict_life(remaining, max_tokens - 1, now_s,
+                                            self.join_meter.arrivals(step_now, now_s))
 
     def predict_join_tpot_s(self, max_tokens: int, now_s: float) -> float | None:
         """The TPOT a request of ``max_tokens`` joining now should see: `join_step_s`,

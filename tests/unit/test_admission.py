@@ -226,3 +226,34 @@ def test_step_meter_life_uses_a_larger_bucket_when_no_smaller_one_is_recent():
     # Alone after 1 step: no bucket 1 or 2 measured, so bucket 4's 100 ms bounds it.
     assert s.predict_life([1, 1], 4, 0.0) == pytest.approx(0.100)
     assert s.predict(1, 0.0) is None
+
+
+def test_step_meter_life_counts_the_requests_expected_to_join():
+    from gateway.admission import Arrivals
+
+    s = StepMeter(min_samples=1)
+    for batch, step in ((1, 0.040), (2, 0.060), (4, 0.100), (8, 0.200)):
+        s.observe(batch, step, 0.0)
+    # Idle worker, 0.09 joins per step, each staying 20 steps: by step j, round(0.09 j)
+    # have joined (at most 0.09 * 20 = 1.8 -> 2): batch 1 for steps 0-5, 2 for 6-16, 3
+    # (bucket 4) for 17-63.
+    life = s.predict_life([], 64, 0.0, Arrivals(per_step=0.09, mean_steps=20))
+    assert life == pytest.approx((6 * 0.040 + 11 * 0.060 + 47 * 0.100) / 64)
+    assert s.predict_life([], 64, 0.0, Arrivals(0.0, 20)) == pytest.approx(0.040)
+    # Sampled at 64 points: 640 steps in strides of 10, the same shape ten times longer.
+    assert s.predict_life([], 640, 0.0, Arrivals(0.009, 200)) == pytest.approx(
+        (60 * 0.040 + 110 * 0.060 + 470 * 0.100) / 640)
+
+
+def test_join_meter_gives_joins_per_step_and_their_mean_length_over_its_window():
+    from gateway.admission import Arrivals, JoinMeter
+
+    m = JoinMeter(window_s=10.0)
+    assert m.arrivals(0.1, 0.0) is None
+    for t, n in ((0.0, 16), (4.0, 64), (9.0, 40)):
+        m.observe(n, t)
+    assert m.arrivals(None, 9.0) is None  # no step time to count in
+    # 3 joins in 10 s at 0.1 s a step: 0.03 per step; mean 40 tokens.
+    assert m.arrivals(0.1, 9.0) == Arrivals(pytest.approx(0.03), pytest.approx(40.0))
+    assert m.arrivals(0.1, 12.0) == Arrivals(pytest.approx(0.02), pytest.approx(52.0))
+    assert m.arrivals(0.1, 19.5) is None

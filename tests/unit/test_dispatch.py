@@ -399,3 +399,29 @@ def test_tpot_admission_counts_running_requests_leaving_during_the_new_ones_life
     assert d.forecast(new).tpot_s == pytest.approx(0.100)
     with pytest.raises(Refused, match="predicted time per output token 100 ms"):
         d.admit(new)
+
+
+def test_tpot_admission_counts_the_requests_joining_at_the_recent_rate():
+    """20 requests of 40 tokens joined d0 in the last 10 s (2/s, 0.12 per 60 ms step): a
+    33-token request on an idle worker shares its steps with about 0.12 j others by step
+    j, 90.6 ms a token on average, and is refused under an 85 ms objective that its first
+    step alone (60 ms) would meet."""
+    from gateway.admission import StepMeter
+    from gateway.workers import Seat
+
+    d, pool, clock = dispatcher()
+    d0 = pool.by_address("d0")
+    d0.step_meter = StepMeter(min_samples=1)
+    for batch, step in ((1, 0.060), (2, 0.080), (4, 0.100), (8, 0.130)):
+        d0.step_meter.observe(batch, step, clock.now)
+    new = Ticket("new", I, 40, 33, clock.now, tpot_slo_s=0.085)
+    assert d.forecast(new).tpot_s == pytest.approx(0.060)
+    for i in range(20):  # joined and gone
+        seat = Seat(f"r{i}", kv_tokens=100, max_tokens=40, tpot_slo_s=None)
+        d._join(d0, seat, clock.now - 9.5 + i * 0.5)
+        d0.seats.discard(seat)
+    # Batch 1 for steps 0-4, 2 for 5-12, 3-4 for 13-29, 5 (bucket 8) for 30-31.
+    expected = (5 * 0.060 + 8 * 0.080 + 17 * 0.100 + 2 * 0.130) / 32
+    assert d.forecast(new).tpot_s == pytest.approx(expected)
+    with pytest.raises(Refused, match="predicted time per output token 91 ms"):
+        d.admit(new)

@@ -248,12 +248,20 @@ def test_step_meter_life_counts_the_requests_expected_to_join():
 def test_join_meter_gives_joins_per_step_and_their_mean_length_over_its_window():
     from gateway.admission import Arrivals, JoinMeter
 
-    m = JoinMeter(window_s=10.0)
+    m = JoinMeter(window_s=10.0, min_span_s=2.0)
     assert m.arrivals(0.1, 0.0) is None
-    for t, n in ((0.0, 16), (4.0, 64), (9.0, 40)):
+    m.observe(16, 0.0)
+    assert m.arrivals(0.1, 0.5) == Arrivals(pytest.approx(0.05), 16)  # 1 in (at least) 2 s
+    for t, n in ((4.0, 64), (9.0, 40)):
         m.observe(n, t)
     assert m.arrivals(None, 9.0) is None  # no step time to count in
-    # 3 joins in 10 s at 0.1 s a step: 0.03 per step; mean 40 tokens.
-    assert m.arrivals(0.1, 9.0) == Arrivals(pytest.approx(0.03), pytest.approx(40.0))
-    assert m.arrivals(0.1, 12.0) == Arrivals(pytest.approx(0.02), pytest.approx(52.0))
+    # 3 joins in the 10 s since the first, at 0.1 s a step: 0.03 per step; mean 40 tokens.
+    assert m.arrivals(0.1, 10.0) == Arrivals(pytest.approx(0.03), pytest.approx(40.0))
+    # The first has left the window: 2 joins in the 8 s since the next.
+    assert m.arrivals(0.1, 12.0) == Arrivals(pytest.approx(0.025), pytest.approx(52.0))
     assert m.arrivals(0.1, 19.5) is None
+    # A burst: 6 joins in its first 1.5 s count at 6 / 2 s, not 6 / 10 s.
+    burst = JoinMeter(window_s=10.0, min_span_s=2.0)
+    for i in range(6):
+        burst.observe(40, 100.0 + 0.3 * i)
+    assert burst.arrivals(0.1, 101.5).per_step == pytest.approx(0.3)

@@ -418,7 +418,7 @@ def test_tpot_admission_counts_the_requests_joining_at_the_recent_rate():
     assert d.forecast(new).tpot_s == pytest.approx(0.060)
     for i in range(20):  # joined and gone
         seat = Seat(f"r{i}", kv_tokens=100, max_tokens=40, tpot_slo_s=None)
-        d._join(d0, seat, clock.now - 9.5 + i * 0.5)
+        d._join(d0, seat, clock.now - 10.0 + i * 0.5)
         d0.seats.discard(seat)
     # Batch 1 for steps 0-4, 2 for 5-12, 3-4 for 13-29, 5 (bucket 8) for 30-31.
     expected = (5 * 0.060 + 8 * 0.080 + 17 * 0.100 + 2 * 0.130) / 32

@@ -1,0 +1,44 @@
+"""The table docs/benchmarks.md shows for a `pdserve bench compare --workload short --json
+--save-records` file: per system and rate, attainment, refusals, misses among the served
+(from each request's timeline against its SLOs), latencies and throughput, and the order
+the systems took turns in.
+
+    python scripts/short_table.py short.json
+"""
+import json
+import sys
+
+d = json.load(open(sys.argv[1]))
+if "detail" not in d:
+    sys.exit(f"{sys.argv[1]}: no per-request records; run the compare with --save-records")
+slo = d["slo"]["by_class"]["default"]
+ttft_slo, tpot_slo = slo["ttft_s"], slo["tpot_s"]
+print(f"SLOs: TTFT {ttft_slo:.3f} s, TPOT {tpot_slo * 1000:.1f} ms "
+      f"(vLLM unloaded TTFT p50 {d['slo']['unloaded_p50']['default']['ttft_p50_s']:.3f} s, "
+      f"TPOT p50 {d['slo']['unloaded_p50']['default']['tpot_p50_s'] * 1000:.1f} ms)\n")
+print("| system | rate (req/s) | SLO attainment | refused | other errors | late among served "
+      "(TTFT / TPOT) | TTFT p50 / p99 | TPOT p50 / p99 | output tok/s |")
+print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+for name in ("vllm", "pdserve"):
+    runs = {x["rate_rps"]: x["records"] for x in d["detail"][name]}
+    for m in sorted(d[name]["measurements"], key=lambda m: m["rate_rps"]):
+        refused = errors = late_ttft = late_tpot = 0
+        for r in runs[m["rate_rps"]]:
+            if r["error"]:
+                refused += r["error"] == "RESOURCE_EXHAUSTED"
+                errors += r["error"] != "RESOURCE_EXHAUSTED"
+                continue
+            chunks = r["chunks"]
+            n = sum(c["num_tokens"] for c in chunks)
+            late_ttft += chunks[0]["time_s"] - r["send_s"] > ttft_slo
+            late_tpot += n > 1 and (chunks[-1]["time_s"] - chunks[0]["time_s"]) / (n - 1) > tpot_slo
+        print(f"| {name} | {m['rate_rps']:g} | {m['slo_attainment']:.1%} | {refused} | "
+              f"{errors} | {late_ttft} / {late_tpot} | {m['ttft_p50_s']:.3f} / {m['ttft_p99_s']:.3f} s | "
+              f"{m['tpot_p50_s'] * 1000:.1f} / {m['tpot_p99_s'] * 1000:.1f} ms | "
+              f"{m['output_tok_s']:.1f} |")
+r = d["ratios"]
+print(f"\ngoodput: vllm {d['vllm']['goodput']['goodput_rps'] or d['vllm']['goodput']['status']}, "
+      f"pdserve {d['pdserve']['goodput']['goodput_rps'] or d['pdserve']['goodput']['status']}; "
+      f"ratio {r['goodput_rps']}; output tok/s ratio at {r['at_rate_rps']} req/s "
+      f"{r['output_tok_s']}")
+print("turns: " + ", ".join(f"{n} {rate:g}" for n, rate in d["config"].get("measured_in_order", [])))

@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -219,8 +220,16 @@ class StepMeter:
         measured to predicted (`RatioMeter`) catching up only as requests finished. None
         with no step measured."""
         steps = max(steps, 1)
+        by_bucket: dict[int, float | None] = {}  # each bucket's estimate, once per call
+
+        def step_at(batch: int) -> float | None:
+            bucket = _bucket(batch)
+            if bucket not in by_bucket:
+                by_bucket[bucket] = self._predict_or_above(bucket, now_s)
+            return by_bucket[bucket]
+
         if arrivals is None or arrivals.per_step <= 0:
-            return self._life_of_running(remaining, steps, now_s)
+            return _life_of_running(step_at, remaining, steps)
         ends = sorted(remaining)
         stride = -(-steps // LIFE_POINTS)
         total, k = 0.0, 0
@@ -228,23 +237,27 @@ class StepMeter:
             while k < len(ends) and ends[k] <= j:
                 k += 1
             joined = arrivals.per_step * min(j, arrivals.mean_steps)
-            step = self._predict_or_above(1 + len(ends) - k + round(joined), now_s)
+            step = step_at(1 + len(ends) - k + round(joined))
             if step is None:
                 return None
             total += step * min(stride, steps - j)
         return total / steps
 
-    def _life_of_running(self, remaining: list[int], steps: int, now_s: float) -> float | None:
-        total, j, num_left = 0.0, 0, len(remaining)
-        for end in sorted(min(r, steps) for r in remaining) + [steps]:
-            if end > j:
-                step = self._predict_or_above(1 + num_left, now_s)
-                if step is None:
-                    return None
-                total += step * (end - j)
-                j = end
-            num_left -= 1
-        return total / steps
+
+def _life_of_running(step_at: Callable[[int], float | None], remaining: list[int],
+                     steps: int) -> float | None:
+    """`StepMeter.predict_life` with nobody joining: the batch only shrinks, so the mean is
+    exact over the segments between the running requests' ends."""
+    total, j, num_left = 0.0, 0, len(remaining)
+    for end in sorted(min(r, steps) for r in remaining) + [steps]:
+        if end > j:
+            step = step_at(1 + num_left)
+            if step is None:
+                return None
+            total += step * (end - j)
+            j = end
+        num_left -= 1
+    return total / steps
 
 
 @dataclass(frozen=True, slots=True)

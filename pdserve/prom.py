@@ -58,11 +58,12 @@ def _namespace(name: str) -> str:
 
 
 def sample_sum(
-    port: int, name: str, labels: str = "", host: str = "127.0.0.1", default: float | None = None
+    port: int, name: str, labels: str = "", host: str = "127.0.0.1", default: float | None = None,
+    timeout_s: float = 5.0,
 ) -> float:
     """``body_sum`` of ``host:port/metrics``."""
     try:
-        return body_sum(scrape(port, host), name, labels, default)
+        return body_sum(scrape(port, host, timeout_s), name, labels, default)
     except MetricAbsent as e:
         raise MetricAbsent(f"{host}:{port}: {e}") from None
 

@@ -66,8 +66,9 @@ def release(address: str, kv) -> None:
         worker_pb2_grpc.PrefillWorkerStub(channel).Release(worker_pb2.ReleaseRequest(kv=kv), timeout=10)
 
 
-def metric(metrics_port: int, name: str, labels: str = "", default: float | None = None) -> float:
-    return sample_sum(metrics_port, name, labels, default=default)
+def metric(metrics_port: int, name: str, labels: str = "", default: float | None = None,
+           timeout_s: float = 5.0) -> float:
+    return sample_sum(metrics_port, name, labels, default=default, timeout_s=timeout_s)
 
 
 def wait_idle(*metrics_ports: int, timeout_s: float = 20.0) -> float:

@@ -10,6 +10,7 @@ our stderr, so stdout carries only our own ``ready`` line.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -61,11 +62,19 @@ class Child:
         threading.Thread(target=self._pump, daemon=True).start()
 
     def _pump(self) -> None:
+        """Relays the child's output; with our own stderr gone (whoever started `pdserve up`
+        exited and closed the pipe), keeps reading and drops it, so the child never blocks
+        on a full pipe."""
         assert self.proc is not None and self.proc.stdout is not None
+        relay = True
         for line in self.proc.stdout:
             if line.startswith("READY "):
                 self.ready.set()
-            sys.stderr.write(f"[{self.name}] {line}")
+            if relay:
+                try:
+                    sys.stderr.write(f"[{self.name}] {line}")
+                except (OSError, ValueError):  # a broken pipe, or a closed stream
+                    relay = False
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -286,7 +295,10 @@ def up(args) -> int:
             stopping.wait(0.5)
         return 0
     finally:
-        print("pdserve: stopping", file=sys.stderr, flush=True)
+        # Whoever started us may be gone with our stderr (a test runner that crashed):
+        # the stack is stopped all the same.
+        with contextlib.suppress(OSError, ValueError):
+            print("pdserve: stopping", file=sys.stderr, flush=True)
         stack.stop()
 
 

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
+from types import SimpleNamespace
 
 import pytest
 
@@ -100,3 +102,51 @@ def test_metrics_directories_of_dead_workers_are_swept(tmp_path):
     assert sweep_orphan_metrics_dirs(str(tmp_path)) == [f"pdserve-metrics-w1-{dead.pid}-abc"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["pdserve-metrics-old-abc",
                                                           f"pdserve-metrics-w2-{os.getpid()}-abc"]
+
+
+class BrokenStderr:
+    """Our stderr after whoever started `pdserve up` exited: every write fails."""
+
+    def write(self, text: str) -> int:
+        raise BrokenPipeError(32, "Broken pipe")
+
+    def flush(self) -> None:
+        raise BrokenPipeError(32, "Broken pipe")
+
+
+def test_a_child_whose_output_cannot_be_relayed_is_still_drained(monkeypatch):
+    """256 KiB of output (four pipe buffers) and then READY: without anyone reading the
+    pipe the child would block on its first full buffer and never exit."""
+    monkeypatch.setattr(sys, "stderr", BrokenStderr())
+    script = "import sys\nfor _ in range(4096): print('x' * 63)\nprint('READY 127.0.0.1:1')"
+    child = Child("decode", [sys.executable, "-c", script])
+    child.start({**os.environ})
+    try:
+        assert child.proc.wait(timeout=30) == 0
+        assert child.ready.wait(5)
+    finally:
+        child.signal(signal.SIGKILL)
+
+
+def test_up_stops_its_stack_when_stderr_is_gone(monkeypatch):
+    events = []
+
+    class FakeStack:
+        gateway_address = "127.0.0.1:1"
+
+        def start(self):
+            events.append("start")
+
+        def wait_ready(self, timeout_s):
+            raise TimeoutError("not ready")
+
+        def stop(self):
+            events.append("stop")
+
+    monkeypatch.setattr(launcher, "build_stack", lambda args: FakeStack())
+    monkeypatch.setattr(launcher.signal, "signal", lambda *a: None)
+    monkeypatch.setattr(sys, "stderr", BrokenStderr())
+    args = SimpleNamespace(prefill=1, decode=1, ready_timeout_s=5.0)
+    with pytest.raises(BrokenPipeError):  # reporting the failure itself could not be done
+        launcher.up(args)
+    assert events == ["start", "stop"]

@@ -8,7 +8,9 @@ Predictions come from what the gateway measures online, never from a fixed table
 
 A request is refused with a retry hint when its predicted TTFT exceeds its TTFT objective
 (tokens queued ahead of it, plus those in flight and its own, over the tier's rate), or
-when the decode tier's predicted time per token with it added exceeds its TPOT objective.
+when the decode tier's predicted time per token over its life (`StepMeter.predict_life`:
+the running requests leaving as they finish, others joining at the recent rate) exceeds
+its TPOT objective.
 With nothing measured yet the gateway admits: a cold start must not refuse.
 """
 

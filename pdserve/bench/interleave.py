@@ -141,7 +141,12 @@ async def take_turn(lane: Lane, lanes: list[Lane], out: CompareResult) -> bool:
     now (it is done, or waits for fifo's search to say whether it has a policy rate)."""
     assert lane.search is not None and lane.budget is not None
     measured = lane.measured()
-    extras = [r for r in extra_rates(lane.name, out) if r not in measured]
+    extras = [r for r in extra_rates(lane.name, out)
+              if r not in measured and r not in lane.result.skipped_rates]
+    if extras and not lane.budget.fits(extras[0]):
+        log(f"{lane.name}: no time left for {extras[0]:g} req/s (fifo's policy rate)")
+        lane.result.skipped_rates.append(extras[0])
+        extras = []
     rate = extras[0] if extras else lane.search.next_rate()
     while not extras and rate is not None and rate in measured:  # measured as an extra
         lane.search.record(rate, measured[rate].summary.slo_attainment)
@@ -151,14 +156,10 @@ async def take_turn(lane: Lane, lanes: list[Lane], out: CompareResult) -> bool:
         waits = lane.name == "pdserve" and fifo is not None and not fifo.done
         lane.done = not waits
         return False
-    if not lane.budget.fits(rate):
+    if not extras and not lane.budget.fits(rate):
         log(f"{lane.name}: {rate:g} req/s would take about {lane.budget.cost_s(rate):.0f} s, "
-            f"{lane.budget.left_s():.0f} s left of its share: "
-            + ("extra rate skipped" if extras else "search stopped"))
-        if extras:
-            lane.result.skipped_rates.append(rate)
-        else:
-            lane.result.stopped_by_budget = True
+            f"{lane.budget.left_s():.0f} s left of its share: search stopped")
+        lane.result.stopped_by_budget = True
         lane.done = True
         return False
     others = [x for x in lanes if x is not lane and x.pid is not None]

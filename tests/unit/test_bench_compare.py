@@ -375,3 +375,41 @@ def test_interleaved_budget_share_stops_a_search_and_others_time_is_not_charged(
                                      ("pdserve", 2.0), ("pdserve", 4.0), ("pdserve", 8.0)]
     assert out.systems["vllm"].stopped_by_budget and not out.systems["pdserve"].stopped_by_budget
     assert out.systems["pdserve"].search.status.value == "above_ceiling"
+
+
+def test_interleaved_policy_rate_out_of_time_is_skipped_and_the_search_goes_on(monkeypatch):
+    """fifo misses at 1 and at its floor 0.5 req/s; pdserve's share has no room for 0.5 (82
+    s on the fake clock) after its own 1.0, so it skips that policy rate and still climbs
+    from the 1.0 it measured as fifo's first miss."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from pdserve.bench import compare, interleave
+    from pdserve.bench.search import RateSearch, SearchConfig
+
+    now = [1000.0]
+    capacity = {"pdserve-fifo": 0.1, "pdserve": 10.0}
+
+    async def fake_measure(backend, bench, system, rate):
+        now[0] += 40 / rate + 2.0
+        att = 1.0 if rate < capacity[system] else 0.5
+        summary = SimpleNamespace(slo_attainment=att,
+                                  by_class={"interactive": SimpleNamespace(slo_attainment=att)})
+        return SimpleNamespace(load=SimpleNamespace(rate_rps=rate), summary=summary)
+
+    monkeypatch.setattr(interleave, "measure", fake_measure)
+    monkeypatch.setattr(interleave, "time", SimpleNamespace(monotonic=lambda: now[0]))
+    monkeypatch.setattr(compare, "time", SimpleNamespace(monotonic=lambda: now[0]))
+    out = compare.CompareResult()
+    search = SearchConfig(start_rps=1.0, floor_rps=0.5, max_up_steps=2)
+    lanes = []
+    for name, share_s in (("pdserve-fifo", 1e6), ("pdserve", 100.0)):
+        out.systems[name] = compare.SystemResult(name)
+        lanes.append(interleave.Lane(out.systems[name], None, None, None, RateSearch(search),
+                                     compare.Budget(now[0] + share_s, 41, 1.0)))
+    asyncio.run(interleave.alternate(lanes, out))
+    assert out.measured_in_order == [("pdserve-fifo", 1.0), ("pdserve", 1.0),
+                                     ("pdserve-fifo", 0.5), ("pdserve", 2.0), ("pdserve", 4.0)]
+    pd = out.systems["pdserve"]
+    assert pd.skipped_rates == [0.5] and not pd.stopped_by_budget
+    assert pd.search.status.value == "above_ceiling" and pd.search.bound_rps == 4.0

@@ -314,7 +314,8 @@ class Dispatcher:
 
     @staticmethod
     def _join(worker: Worker, seat: Seat, now: float) -> None:
-        seat.predicted_step_s = worker.join_step_s(seat.max_tokens, now)
+        seat.predicted_step_s = step = worker.join_step_s(seat.max_tokens, now)
+        seat.forecast_tpot_s = None if step is None else step * worker.tpot_ratio.ratio(now)
         worker.join_meter.observe(seat.max_tokens, now)
         worker.seats.add(seat)
 
@@ -364,5 +365,7 @@ class Dispatcher:
         elif finished and seat.first_token_s is not None and seat.predicted_step_s and seat.num_generated > 1:
             tpot_s = (now - seat.first_token_s) / (seat.num_generated - 1)
             worker.tpot_ratio.observe(tpot_s, seat.predicted_step_s, now)
+            if seat.forecast_tpot_s:
+                metrics.TPOT_FORECAST_RATIO.observe(tpot_s / seat.forecast_tpot_s)
         worker.seats.discard(seat)
         self.pump()

@@ -64,6 +64,12 @@ MOVED_PREFILLS = Counter(
     "Remote prefills that did not answer within twice their predicted time and were taken "
     "back and prefilled on a decode worker instead.",
 )
+TPOT_FORECAST_RATIO = Histogram(
+    "pdserve_tpot_forecast_ratio",
+    "Finished requests' measured time per output token over the TPOT that admission "
+    "forecast when they joined a decode worker (1: exact; above 1 the forecast read low).",
+    buckets=(0.5, 0.7, 0.8, 0.9, 1.0, 1.1, 1.2, 1.3, 1.5, 2.0, 3.0),
+)
 CLASS_TTFT = Histogram(
     "pdserve_time_to_first_token_seconds",
     "Time from arrival at the gateway to the first token leaving it, by class.",

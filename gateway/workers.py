@@ -45,6 +45,7 @@ class Seat:
     local_start_s: float = 0.0  # when its local prefill was placed
     local_step_tokens: int = 0  # its prompt and the local prompts pending with it then
     predicted_step_s: float | None = None  # the step estimate when it joined (unscaled)
+    forecast_tpot_s: float | None = None  # what admission forecast then (scaled)
 
     def view(self) -> RunningRequest:
         return RunningRequest(self.tpot_slo_s, self.max_tokens, self.num_generated, self.first_token_s)

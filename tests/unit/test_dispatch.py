@@ -370,10 +370,21 @@ def test_admission_scales_the_step_estimate_by_what_finished_requests_measured()
         forecast = d.forecast(ticket("next", 40, arrival=clock.now))
         return before, d0.tpot_ratio.ratio(clock.now), forecast.tpot_s
 
+    from prometheus_client import REGISTRY
+
+    def forecast_ratios() -> tuple[float, float]:
+        return (REGISTRY.get_sample_value("pdserve_tpot_forecast_ratio_count") or 0.0,
+                REGISTRY.get_sample_value("pdserve_tpot_forecast_ratio_sum") or 0.0)
+
+    count0, sum0 = forecast_ratios()
     before, ratio, tpot = run(scenario())
     assert before == 1.0
     assert ratio == pytest.approx(1.25)
     assert tpot == pytest.approx(0.100)
+    # Each of the three finished requests ran at 100 ms against an 80 ms forecast (the
+    # ratio was not yet known when they joined); the cancelled one is not counted.
+    count1, sum1 = forecast_ratios()
+    assert count1 - count0 == 3 and sum1 - sum0 == pytest.approx(3 * 1.25)
 
 
 def test_tpot_admission_counts_running_requests_leaving_during_the_new_ones_life():

@@ -23,8 +23,12 @@ from dataclasses import dataclass, field
 import psutil
 
 from pdserve import gpus
+from pdserve.segments import SegmentTracker
 
 STOP_GRACE_S = 15.0
+# How often the shared-memory segments each child's process tree holds are noted, so that
+# those a killed child leaves in /dev/shm can be removed (pdserve/segments.py).
+RECORD_SEGMENTS_EVERY_S = 10.0
 
 
 RESTART_BACKOFF_S = (1.0, 2.0, 4.0, 8.0, 16.0, 30.0)
@@ -45,6 +49,8 @@ class Child:
     restart_at_s: float | None = None
     # Set for this child only (a worker's GPU).
     env_overrides: dict[str, str] = field(default_factory=dict)
+    segments: SegmentTracker = field(default_factory=SegmentTracker)
+    segments_recorded_s: float = float("-inf")
 
     def start(self, env: dict[str, str]) -> None:
         self.env = env
@@ -78,6 +84,22 @@ class Child:
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
+
+    def record_segments(self, now_s: float) -> None:
+        """Notes the /dev/shm segments its process tree holds (at most every
+        RECORD_SEGMENTS_EVERY_S), while they can still be read."""
+        if now_s - self.segments_recorded_s < RECORD_SEGMENTS_EVERY_S or not self.alive():
+            return
+        self.segments_recorded_s = now_s
+        self.segments.record([self.proc.pid, *(p.pid for p in _descendants(self))])
+
+    def sweep_segments(self) -> None:
+        """Removes the segments its dead processes left in /dev/shm; says so once."""
+        removed = self.segments.sweep()
+        if removed:
+            with contextlib.suppress(OSError, ValueError):
+                print(f"pdserve: removed {len(removed)} shared-memory segments {self.name}'s killed processes "
+                      f"left in /dev/shm", file=sys.stderr, flush=True)
 
     def signal(self, sig: int) -> None:
         if self.proc is not None:
@@ -144,6 +166,7 @@ class Stack:
         now_s = time.monotonic() if now_s is None else now_s
         for child in self.children:
             if child.alive():
+                child.record_segments(now_s)
                 continue
             if child.restart_at_s is None:
                 if now_s - child.started_s >= STABLE_S:
@@ -158,6 +181,7 @@ class Stack:
                 child.num_restarts += 1
                 child.restart_at_s = None
                 child.ready.clear()
+                child.sweep_segments()
                 child.start(child.env)
 
     def wait_ready(self, timeout_s: float) -> None:
@@ -186,6 +210,8 @@ class Stack:
         # descendant now, and kill whichever outlives its worker.
         descendants = [p for child in self.children for p in _descendants(child)]
         for child in self.children:
+            child.segments_recorded_s = float("-inf")
+            child.record_segments(time.monotonic())
             child.signal(signal.SIGTERM)
         deadline = time.monotonic() + STOP_GRACE_S
         for child in self.children:
@@ -204,10 +230,13 @@ class Stack:
             except psutil.NoSuchProcess:
                 pass
         psutil.wait_procs(descendants, timeout=5)
-        # What a worker killed before it could clean up left behind (its metrics directory).
+        # What a worker killed before it could clean up left behind: its metrics directory,
+        # its engine's shared-memory segments.
         from pdserve.worker import sweep_orphan_metrics_dirs
 
         sweep_orphan_metrics_dirs()
+        for child in self.children:
+            child.sweep_segments()
 
 
 def _reap_group(child: Child) -> None:

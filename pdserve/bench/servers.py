@@ -23,6 +23,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pdserve.segments import SegmentTracker
+
 
 class ServerError(RuntimeError):
     """The server under test did not start or answer; the message says what it printed."""
@@ -206,6 +208,8 @@ class ServerProcess:
         if proc is None:
             return
         family = [proc.pid, *descendants(proc.pid)]
+        held = SegmentTracker()
+        held.record(family)  # /dev/shm segments a process killed below would leave behind
         if proc.poll() is None:
             _signal_group(proc.pid, signal.SIGTERM)
         for pid in family:  # descendants that left the group get the same notice
@@ -222,6 +226,10 @@ class ServerProcess:
         for pid in survivors:
             _signal(pid, signal.SIGKILL)
         _signal_group(proc.pid, signal.SIGKILL)  # anything forked since we listed
+        deadline = time.monotonic() + 5.0
+        while any(_alive(p) for p in survivors) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        held.sweep()  # those a survivor still holds (a zombie holds none) stay
         if self._pump_thread is not None:
             self._pump_thread.join(timeout=5)
         self._proc = None

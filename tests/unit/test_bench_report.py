@@ -144,6 +144,40 @@ def test_server_process_waits_for_ready_and_leaves_nothing(tmp_path):
     assert "pdserve ready" in (tmp_path / "fake.log").read_text()
 
 
+# A server whose engine process holds a multiprocessing shared-memory buffer (as vLLM's
+# queues are) and ignores SIGTERM, so that stopping it ends in SIGKILL to the whole group.
+SHM_SERVER = """
+import os, signal, subprocess, sys, time
+if sys.argv[1] == "engine":
+    from multiprocessing import shared_memory
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    shm = shared_memory.SharedMemory(create=True, size=1 << 20)
+    print("segment", shm.name, flush=True)
+    time.sleep(600)
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+engine = subprocess.Popen([sys.executable, __file__, "engine"])
+print("ready", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_server_killed_at_stop_leaves_no_shared_memory_segment(tmp_path):
+    script = tmp_path / "server.py"
+    script.write_text(SHM_SERVER)
+    spec = ServerSpec("fake", [sys.executable, str(script), "server"], ready_pattern=r"^ready$", stop_grace_s=1)
+    with ServerProcess(spec, tmp_path / "fake.log") as server:
+        deadline = time.monotonic() + 30
+        while "segment" not in server.tail() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        name = next(line.split()[1] for line in server.tail().splitlines() if line.startswith("segment"))
+        assert os.path.exists(f"/dev/shm/{name}")
+    try:
+        assert not os.path.exists(f"/dev/shm/{name}")
+    finally:
+        if os.path.exists(f"/dev/shm/{name}"):
+            os.unlink(f"/dev/shm/{name}")
+
+
 def test_server_that_exits_early_is_an_error_with_its_output(tmp_path):
     spec = ServerSpec("broken", [sys.executable, "-c", "print('no model'); raise SystemExit(3)"],
                       ready_pattern="ready", boot_timeout_s=10)

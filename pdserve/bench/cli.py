@@ -327,7 +327,12 @@ def cmd_compare(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"pdserve bench compare: {e}", file=sys.stderr)
         return 2
-    result = (compare.run_sequential if cfg.sequential else interleave.run_interleaved)(cfg)
+    stop_on_sigterm()
+    try:
+        result = (compare.run_sequential if cfg.sequential else interleave.run_interleaved)(cfg)
+    except KeyboardInterrupt:
+        print("pdserve bench compare: interrupted; the servers it started are stopped", file=sys.stderr)
+        return 130
     doc = compare_report.compare_dict(cfg, result)
     print(compare_report.format_compare(doc),
           file=sys.stderr if args.json == "-" else sys.stdout)
@@ -341,6 +346,18 @@ def cmd_compare(args: argparse.Namespace) -> int:
         for path in write_plots(series, args.plot_dir):
             print(f"[bench] wrote {path}", file=sys.stderr)
     return 0 if all(s.error is None for s in result.systems.values()) else 1
+
+
+def stop_on_sigterm() -> None:
+    """SIGTERM ends the command as Ctrl-C does (KeyboardInterrupt), so the servers it started
+    are stopped on the way out: Python's default for SIGTERM exits without unwinding, and
+    left both systems' engines running (seen when a compare was stopped with `kill`)."""
+    import signal
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, interrupt)
 
 
 def cmd_kv(args: argparse.Namespace) -> int:

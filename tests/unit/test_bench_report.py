@@ -178,6 +178,40 @@ def test_a_server_killed_at_stop_leaves_no_shared_memory_segment(tmp_path):
             os.unlink(f"/dev/shm/{name}")
 
 
+# A bench command holding a server, as `pdserve bench compare` does while it measures.
+HOLDER = textwrap.dedent("""
+    import asyncio, sys
+    from pathlib import Path
+    from pdserve.bench.cli import stop_on_sigterm
+    from pdserve.bench.servers import ServerProcess, ServerSpec
+    stop_on_sigterm()
+    port, script, log = sys.argv[1:4]
+    spec = ServerSpec("fake", [sys.executable, "-c", script, port],
+                      ready_pattern=r"ready.*:" + port, stop_grace_s=2)
+    with ServerProcess(spec, Path(log)) as server:
+        print("up", server.pid, flush=True)
+        asyncio.run(asyncio.sleep(600))
+""")
+
+
+def test_sigterm_to_a_bench_command_stops_the_servers_it_started(tmp_path):
+    import subprocess
+
+    log = tmp_path / "fake.log"
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(free_port()), SERVER, str(log)],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        leader = int(holder.stdout.readline().split()[1])
+        child = int(next(line.split()[1] for line in log.read_text().splitlines() if line.startswith("child")))
+        assert _alive(leader) and _alive(child)
+        holder.terminate()
+        assert holder.wait(timeout=30) != 0
+        assert not _alive(leader) and not _alive(child)
+    finally:
+        holder.kill()
+        holder.wait()
+
+
 def test_server_that_exits_early_is_an_error_with_its_output(tmp_path):
     spec = ServerSpec("broken", [sys.executable, "-c", "print('no model'); raise SystemExit(3)"],
                       ready_pattern="ready", boot_timeout_s=10)

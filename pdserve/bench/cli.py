@@ -62,7 +62,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "compare", help="pdserve vs colocated vLLM on the same workload (starts both)",
         description="Goodput found by search, SLOs from vLLM's unloaded latencies in the same "
                     "run. Default: --workload short, systems vllm,pdserve (mixed: also "
-                    "pdserve-fifo).", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                    "pdserve-fifo: --policy fifo --local-prefill-max-tokens 0).", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     _add_compare_args(compare)
     _add_load_args(compare, rates_default=None, open_loop=False)
     _add_search_args(compare)

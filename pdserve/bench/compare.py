@@ -161,13 +161,21 @@ def log(message: str) -> None:
 # ---------------------------------------------------------------- servers ----------------
 
 
-def pdserve_argv(port: int, model: Path, max_model_len: int, policy: str | None) -> list[str]:
+# pdserve-fifo: the gateway without its serving policy, as the issue found it: arrival
+# order, no admission, every prompt through the prefill tier. Placing short prompts on the
+# decode worker is part of the policy under test (with it kept, fifo's interactive class
+# already bypassed the offline prompts queued for prefill: 88.9% at the rate where fifo
+# first fell below 90%, so no policy could be 30 points above it there).
+PLAIN_FIFO_FLAGS = ("--policy", "fifo", "--local-prefill-max-tokens", "0")
+
+
+def pdserve_argv(port: int, model: Path, max_model_len: int, system: str = "pdserve") -> list[str]:
     # Metrics off: `up` would otherwise bind fixed ports that a concurrent stack may hold.
-    # The policy flag only where it differs from the default (slo), so that a `pdserve up`
-    # without the flag still serves the default system.
+    # Policy flags only for pdserve-fifo, so that a `pdserve up` without flags still serves
+    # the default system.
     return [sys.executable, "-m", "pdserve.cli", "up", "--port", str(port), "--model",
             str(model), "--max-model-len", str(max_model_len), "--metrics-port", "0",
-            *(["--policy", policy] if policy else [])]
+            *(PLAIN_FIFO_FLAGS if system == "pdserve-fifo" else ())]
 
 
 def source_root_env() -> dict[str, str]:
@@ -181,8 +189,7 @@ def pdserve_spec(cfg: CompareConfig, port: int, system: str = "pdserve") -> Serv
     # `up` prints "pdserve ready at HOST:PORT"; the lines it relays from its processes
     # start with "[role]" (the gateway's own "[gateway] READY ..." comes before the
     # workers are up), so those are skipped, and gRPC health must then say SERVING.
-    policy = "fifo" if system == "pdserve-fifo" else None
-    argv = pdserve_argv(port, cfg.model, cfg.bench.workload.max_model_len, policy)
+    argv = pdserve_argv(port, cfg.model, cfg.bench.workload.max_model_len, system)
     return ServerSpec(system, argv, source_root_env(),
                       ready_pattern=rf"^[^\[].*\bready\b.*:{port}\b",
                       grpc_health_target=f"127.0.0.1:{port}", boot_timeout_s=cfg.boot_timeout_s)

@@ -254,13 +254,16 @@ def test_both_systems_get_the_same_model_and_context_length(tmp_path):
     assert flag(vllm, "--block-size") == "32" and "--enable-prefix-caching" in vllm
 
 
-def test_only_pdserve_fifo_passes_a_policy(tmp_path):
+def test_only_pdserve_fifo_passes_a_policy_and_it_is_plain_fifo(tmp_path):
     from pdserve.bench.compare import pdserve_spec
 
     cfg = CompareConfig(bench=BenchConfig(rates_rps=[1.0]), model=tmp_path)
-    assert "--policy" not in pdserve_spec(cfg, 5005).argv  # the default, slo
+    slo = pdserve_spec(cfg, 5005).argv
+    assert "--policy" not in slo and "--local-prefill-max-tokens" not in slo  # the defaults
     fifo = pdserve_spec(cfg, 5005, "pdserve-fifo")
-    assert fifo.argv[-2:] == ["--policy", "fifo"] and fifo.name == "pdserve-fifo"
+    # Arrival order, no admission, and every prompt through the prefill tier.
+    assert fifo.argv[-4:] == ["--policy", "fifo", "--local-prefill-max-tokens", "0"]
+    assert fifo.name == "pdserve-fifo"
 
 
 def test_json_has_ttft_p90_per_class_and_gateway_cpu():

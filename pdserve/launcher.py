@@ -173,8 +173,9 @@ class Stack:
                     child.num_restarts = 0
                 delay = RESTART_BACKOFF_S[min(child.num_restarts, len(RESTART_BACKOFF_S) - 1)]
                 code = child.proc.returncode if child.proc is not None else None
-                print(f"pdserve: {child.name} exited (code {code}); restarting in {delay:.0f} s",
-                      file=sys.stderr, flush=True)
+                with contextlib.suppress(OSError, ValueError):  # our stderr may be gone
+                    print(f"pdserve: {child.name} exited (code {code}); restarting in {delay:.0f} s",
+                          file=sys.stderr, flush=True)
                 _reap_group(child)
                 child.restart_at_s = now_s + delay
             elif now_s >= child.restart_at_s:

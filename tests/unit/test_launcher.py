@@ -150,3 +150,17 @@ def test_up_stops_its_stack_when_stderr_is_gone(monkeypatch):
     with pytest.raises(BrokenPipeError):  # reporting the failure itself could not be done
         launcher.up(args)
     assert events == ["start", "stop"]
+
+
+def test_a_dead_child_is_restarted_when_stderr_is_gone(monkeypatch):
+    starts = []
+    child = Child("decode", [sys.executable, "-c", "pass"], restart=True)
+    monkeypatch.setattr(Child, "start", lambda self, env: starts.append(env))
+    monkeypatch.setattr(Child, "alive", lambda self: False)
+    monkeypatch.setattr(launcher, "_reap_group", lambda c: None)
+    monkeypatch.setattr(sys, "stderr", BrokenStderr())
+    stack = Stack([child], "127.0.0.1:1")
+    child.started_s = 100.0
+    stack.supervise(100.5)  # reports the exit (to nowhere) and schedules the restart
+    stack.supervise(101.6)
+    assert len(starts) == 1

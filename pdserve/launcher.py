@@ -85,10 +85,10 @@ class Child:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
-    def record_segments(self, now_s: float) -> None:
+    def record_segments(self, now_s: float, force: bool = False) -> None:
         """Notes the /dev/shm segments its process tree holds (at most every
-        RECORD_SEGMENTS_EVERY_S), while they can still be read."""
-        if now_s - self.segments_recorded_s < RECORD_SEGMENTS_EVERY_S or not self.alive():
+        RECORD_SEGMENTS_EVERY_S unless ``force``), while they can still be read."""
+        if not self.alive() or (not force and now_s - self.segments_recorded_s < RECORD_SEGMENTS_EVERY_S):
             return
         self.segments_recorded_s = now_s
         self.segments.record([self.proc.pid, *(p.pid for p in _descendants(self))])
@@ -211,8 +211,7 @@ class Stack:
         # descendant now, and kill whichever outlives its worker.
         descendants = [p for child in self.children for p in _descendants(child)]
         for child in self.children:
-            child.segments_recorded_s = float("-inf")
-            child.record_segments(time.monotonic())
+            child.record_segments(time.monotonic(), force=True)
             child.signal(signal.SIGTERM)
         deadline = time.monotonic() + STOP_GRACE_S
         for child in self.children:

@@ -1,5 +1,5 @@
-"""The table docs/benchmarks.md shows for a `pdserve bench compare --workload short --json
---save-records` file: per system and rate, attainment, refusals, misses among the served
+"""The table docs/benchmarks.md shows for a `pdserve bench compare --workload short|long
+--json --save-records` file (one request class): per system and rate, attainment, refusals, misses among the served
 (from each request's timeline against its SLOs), latencies and throughput, and the order
 the systems took turns in.
 

@@ -49,6 +49,9 @@ class Backend(Protocol):
 
     async def generate(self, spec: RequestSpec, now: Clock) -> RequestRecord: ...
 
+    def use_slo(self, slo: Objective) -> None:
+        """The objectives the next requests carry (where the API has a field for them)."""
+
 
 def new_record(spec: RequestSpec, send_s: float) -> RequestRecord:
     return RequestRecord(request_id=spec.request_id, class_name=spec.class_name,
@@ -115,6 +118,9 @@ class GrpcBackend:
         if self._channel is not None:
             await self._channel.close()
 
+    def use_slo(self, slo: Objective) -> None:
+        self._slo = slo
+
     def build_request(self, spec: RequestSpec) -> generation_pb2.GenerateRequest:
         request = generation_pb2.GenerateRequest(
             request_id=spec.request_id,
@@ -159,6 +165,9 @@ class OpenAIBackend:
         self._sampling = sampling
         self._model_name = model_name
         self._session = None
+
+    def use_slo(self, slo: Objective) -> None:
+        """vLLM's completions API has no objectives: the server never sees them."""
 
     async def __aenter__(self) -> OpenAIBackend:
         import aiohttp  # only this backend needs it

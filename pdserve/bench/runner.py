@@ -109,7 +109,11 @@ async def warm_up(backend: Backend, cfg: BenchConfig) -> None:
 
 async def run_load(backend: Backend, cfg: BenchConfig, load: LoadConfig, id_prefix: str,
                    content_seed: int) -> RunResult:
-    """One measured run of `cfg.workload` under `load` (lengths from `cfg.seed`)."""
+    """One measured run of `cfg.workload` under `load` (lengths from `cfg.seed`); the
+    requests carry `cfg.slo`, the objectives they are judged by (a compare's backend is
+    made before its unloaded run sets them: in the interleaved compares of 2026-11-30
+    pdserve's requests carried none, so its admission never acted)."""
+    backend.use_slo(cfg.slo)
     requests = build_workload(cfg.workload, cfg.seed, id_prefix=id_prefix,
                               content_seed=content_seed)
     before = (await asyncio.to_thread(scrape, cfg.gateway_metrics)

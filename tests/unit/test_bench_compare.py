@@ -1,6 +1,7 @@
 """compare's pure parts: search plan, budget, extra rates, JSON, table, and its CLI."""
 
 import argparse
+import dataclasses
 import json
 import time
 
@@ -280,6 +281,28 @@ def test_run_compare_against_a_fake_pdserve_calibrates_searches_and_sends_slos(
     # Given SLOs are known before the unloaded run, so its requests carry them too.
     assert {(r.slo.ttft_ms, r.slo.tpot_ms) for r in received[:3]} == {(10000, 1000)}
     assert {r.priority for r in measured} == {generation_pb2.PRIORITY_UNSPECIFIED}
+
+
+@pytest.mark.parametrize("driver", ["interleaved", "sequential"])
+def test_measured_requests_carry_the_slos_the_unloaded_run_set(tmp_path, fake_pdserve, driver):
+    """No SLO given: the unloaded run sets them, after the backend was made (interleaved:
+    at boot). Every measured request must carry them, or pdserve's admission has nothing
+    to act on (seen: the interleaved driver sent none)."""
+    from pdserve.bench.compare import run_sequential
+    from pdserve.bench.interleave import run_interleaved
+
+    target, received = fake_pdserve
+    cfg = fake_compare_config(tmp_path, target)
+    cfg = dataclasses.replace(cfg, bench=dataclasses.replace(cfg.bench, slo=SLO()),
+                              plan=dataclasses.replace(cfg.plan, max_up_steps=0))
+    result = (run_interleaved if driver == "interleaved" else run_sequential)(cfg)
+    slo = result.calibration.slos().default
+    assert slo.ttft_s is not None and slo.tpot_s is not None
+    measured = received[3:]  # after the warm-up and the two unloaded requests
+    assert len(measured) == 3 * len(result.systems["pdserve"].runs) > 0
+    assert {(r.slo.ttft_ms, r.slo.tpot_ms) for r in measured} == \
+        {(max(1, round(slo.ttft_s * 1000)), max(1, round(slo.tpot_s * 1000)))}
+    assert not any(r.HasField("slo") for r in received[:3])  # none known yet
 
 
 def test_interleaved_compare_measures_the_systems_that_booted(tmp_path, fake_pdserve,

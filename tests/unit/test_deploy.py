@@ -195,7 +195,7 @@ def test_every_panel_queries_prometheus():
     assert (board["uid"], board["title"]) == ("pdserve", "pdserve")
     shown = dashboard.panels(board)
     ids = [p["id"] for p in board["panels"]] + [q["id"] for p in board["panels"] for q in p.get("panels", [])]
-    assert len(set(ids)) == len(ids) and len(shown) == 15
+    assert len(set(ids)) == len(ids) and len(shown) == 16
     for panel in shown:
         assert panel["targets"], panel["title"]
         for target in panel["targets"]:
@@ -209,6 +209,7 @@ def test_the_dashboard_shows_what_operators_asked_for():
         "vllm:time_to_first_token_seconds_bucket", "vllm:inter_token_latency_seconds_bucket",
         "vllm:generation_tokens_total", "pdserve_queue_length", "pdserve_refusals_total",
         "vllm:kv_cache_usage_perc", "vllm:num_requests_running", "pdserve_kv_transfer_bytes_total",
+        "pdserve_tpot_forecast_ratio_bucket",
     } <= metrics
 
 

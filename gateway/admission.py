@@ -8,9 +8,10 @@ Predictions come from what the gateway measures online, never from a fixed table
 
 A request is refused with a retry hint when its predicted TTFT exceeds its TTFT objective
 (tokens queued ahead of it, plus those in flight and its own, over the tier's rate), or
-when the decode tier's predicted time per token over its life (`StepMeter.predict_life`:
-the running requests leaving as they finish, others joining at the recent rate) exceeds
-its TPOT objective.
+when the decode tier's time per token over its life (`StepMeter.predict_life`: the running
+requests leaving as they finish, others joining at the recent rate) would exceed its TPOT
+objective even if it fared as well as the luckiest quarter of recent requests did against
+their estimates (`RatioMeter.quantile`, `BEST_CASE_QUANTILE`).
 With nothing measured yet the gateway admits: a cold start must not refuse.
 """
 
@@ -25,6 +26,13 @@ from enum import Enum
 
 # Points a joining request's life is sampled at when requests are expected to join it.
 LIFE_POINTS = 64
+# TPOT admission refuses a request only when it would miss even at this quantile of recent
+# requests' measured/estimated ratios: a refusal is a certain miss, an admission a likely
+# hit unless the forecast is far over. Refusing on the median forecast refused requests at
+# light load that would have met their objective: seen in the short benchmark, 5 of 40
+# refused at 0.373 req/s on a predicted 89-91 ms against 86.1 ms while the 35 served ran at
+# a TPOT p50 of 73 ms and p99 of 87 ms.
+BEST_CASE_QUANTILE = 0.25
 # A refusal's retry hint is clamped to this range (seconds).
 MIN_RETRY_S = 0.5
 MAX_RETRY_S = 60.0
@@ -327,8 +335,19 @@ class RatioMeter:
                 self._samples.popleft()
 
     def ratio(self, now_s: float) -> float:
-        recent = [r for r, when in self._samples if now_s - when <= self.max_age_s]
+        recent = self._recent(now_s)
         return statistics.median(recent) if len(recent) >= self.min_samples else 1.0
+
+    def quantile(self, q: float, now_s: float) -> float:
+        """The recent ratio that a ``q`` share of them is at or below (the lower of two
+        neighbours, no interpolation); 1.0 without ``min_samples`` of them."""
+        recent = sorted(self._recent(now_s))
+        if len(recent) < self.min_samples:
+            return 1.0
+        return recent[math.floor(q * (len(recent) - 1))]
+
+    def _recent(self, now_s: float) -> list[float]:
+        return [r for r, when in self._samples if now_s - when <= self.max_age_s]
 
 
 class Reason(str, Enum):
@@ -348,10 +367,13 @@ class Refusal:
 
 @dataclass(frozen=True, slots=True)
 class Forecast:
-    """What the gateway expects for one request if admitted now; None: no estimate yet."""
+    """What the gateway expects for one request if admitted now; None: no estimate yet.
+    ``tpot_best_s``: its TPOT if it fares as well against the estimate as the luckiest
+    quarter of recent requests did (None: ``tpot_s``)."""
 
     ttft_s: float | None
     tpot_s: float | None
+    tpot_best_s: float | None = None
 
 
 def predict_ttft_s(tokens_ahead: int, num_prompt_tokens: int, tokens_per_s: float | None) -> float | None:
@@ -372,11 +394,13 @@ def decide(forecast: Forecast, ttft_slo_s: float | None, tpot_slo_s: float | Non
             f"a lower priority or with a looser slo.ttft_ms",
             _clamp(excess),
         )
-    if tpot_slo_s is not None and forecast.tpot_s is not None and forecast.tpot_s > tpot_slo_s:
+    best = forecast.tpot_s if forecast.tpot_best_s is None else forecast.tpot_best_s
+    if tpot_slo_s is not None and forecast.tpot_s is not None and best > tpot_slo_s:
+        at_best = f" (at best {best * 1000:.0f} ms)" if forecast.tpot_best_s is not None else ""
         return Refusal(
             Reason.TPOT,
-            f"predicted time per output token {forecast.tpot_s * 1000:.0f} ms exceeds the "
-            f"request's objective of {tpot_slo_s * 1000:.0f} ms with the decode tier's "
+            f"predicted time per output token {forecast.tpot_s * 1000:.0f} ms{at_best} exceeds "
+            f"the request's objective of {tpot_slo_s * 1000:.0f} ms with the decode tier's "
             f"current batch; retry later or with a looser slo.tpot_ms",
             # Running requests finish and leave within a few seconds at these rates.
             _clamp(2.0),

@@ -99,10 +99,12 @@ class Dispatcher:
             known = [t for t in local if t is not None]
             if known:
                 ttft = min(known) if ttft is None else min(ttft, min(known))
-        steps = [s for w in self._workers.routable("decode")
-                 if (s := w.predict_join_tpot_s(ticket.max_tokens, now)) is not None]
+        tpots = [t for w in self._workers.routable("decode")
+                 if (t := w.predict_join_tpot_s(ticket.max_tokens, now)) is not None]
         waited = now - ticket.arrival_s
-        return Forecast(None if ttft is None else ttft + waited, min(steps) if steps else None)
+        return Forecast(None if ttft is None else ttft + waited,
+                        min(t for t, _ in tpots) if tpots else None,
+                        min(best for _, best in tpots) if tpots else None)
 
     def admit(self, ticket: Ticket) -> None:
         """Raises Refused when the ticket cannot meet its objectives or its queue is full."""

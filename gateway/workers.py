@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from gateway.admission import JoinMeter, LatencyMeter, RatioMeter, ServiceMeter, StepMeter
+from gateway.admission import (BEST_CASE_QUANTILE, JoinMeter, LatencyMeter, RatioMeter, ServiceMeter,
+                               StepMeter)
 from gateway.placement import DecodeLoad, PrefillLoad, RunningRequest, decode_slack_s
 from pdserve import rpc
 from protos import worker_pb2, worker_pb2_grpc
@@ -129,11 +130,15 @@ class Worker:
         return self.step_meter.predict_life(remaining, max_tokens - 1, now_s,
                                             self.join_meter.arrivals(step_now, now_s))
 
-    def predict_join_tpot_s(self, max_tokens: int, now_s: float) -> float | None:
-        """The TPOT a request of ``max_tokens`` joining now should see: `join_step_s`,
-        scaled by how far recent requests' own TPOT ran from it."""
+    def predict_join_tpot_s(self, max_tokens: int, now_s: float) -> tuple[float, float] | None:
+        """The TPOT a request of ``max_tokens`` joining now should see (`join_step_s` scaled
+        by the median of how far recent requests' own TPOT ran from their estimates), and
+        at best (scaled by the `BEST_CASE_QUANTILE` of those ratios instead)."""
         step = self.join_step_s(max_tokens, now_s)
-        return None if step is None else step * self.tpot_ratio.ratio(now_s)
+        if step is None:
+            return None
+        return (step * self.tpot_ratio.ratio(now_s),
+                step * self.tpot_ratio.quantile(BEST_CASE_QUANTILE, now_s))
 
     def decode_load(self, now_s: float) -> DecodeLoad:
         assert self.info is not None

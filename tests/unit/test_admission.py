@@ -121,6 +121,32 @@ def test_refuses_a_known_tpot_miss():
     assert "150 ms exceeds the request's objective of 100 ms" in refusal.message
 
 
+def test_tpot_refusal_needs_the_best_case_forecast_to_miss():
+    """A median forecast over the objective is admitted while the best case meets it; a
+    best case over it is refused, the message giving both."""
+    assert decide(Forecast(1.0, 0.095, tpot_best_s=0.085), ttft_slo_s=2.0, tpot_slo_s=0.090) is None
+    refusal = decide(Forecast(1.0, 0.110, tpot_best_s=0.092), ttft_slo_s=2.0, tpot_slo_s=0.090)
+    assert refusal is not None and refusal.reason is Reason.TPOT
+    assert "110 ms (at best 92 ms) exceeds the request's objective of 90 ms" in refusal.message
+
+
+def test_ratio_quantile_is_the_lower_neighbour_of_recent_ratios():
+    from gateway.admission import RatioMeter
+
+    m = RatioMeter(max_age_s=10.0)
+    m.observe(0.090, 0.100, 0.0)  # 0.9
+    m.observe(0.130, 0.100, 0.0)  # 1.3
+    assert m.quantile(0.25, 1.0) == 1.0  # two: not enough
+    for measured in (0.080, 0.100, 0.110):
+        m.observe(measured, 0.100, 5.0)
+    # 0.8, 0.9, 1.0, 1.1, 1.3: index floor(0.25 * 4) = 1.
+    assert m.quantile(0.25, 6.0) == pytest.approx(0.9)
+    assert m.quantile(0.0, 6.0) == pytest.approx(0.8)
+    assert m.ratio(6.0) == pytest.approx(1.0)
+    # The first two aged out: 0.8, 1.0, 1.1.
+    assert m.quantile(0.25, 12.0) == pytest.approx(0.8)
+
+
 def test_retry_hint_is_clamped():
     assert decide(Forecast(2.01, None), 2.0, None).retry_after_s == MIN_RETRY_S
     assert decide(Forecast(1000.0, None), 2.0, None).retry_after_s == MAX_RETRY_S

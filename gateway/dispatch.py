@@ -94,11 +94,13 @@ class Dispatcher:
         ttft = predict_ttft_s(ahead, ticket.num_prompt_tokens, sum(rates) if rates else None)
         decode = [w.decode_load(now) for w in self._workers.routable("decode")]
         if ticket.num_prompt_tokens <= self._placement.local_prefill_max_tokens:
-            local = [d.local_ttft_s(ticket.num_prompt_tokens)
+            local = [d.local_ttft_s(ticket.num_prompt_tokens, fitted_only=True)
                      for d in decode if d.has_seat(ticket.num_prompt_tokens + ticket.max_tokens)]
             known = [t for t in local if t is not None]
             if known:
                 ttft = min(known) if ttft is None else min(ttft, min(known))
+            elif local:  # it may run here, at a time not measured yet: no refusal on TTFT
+                ttft = None
         tpots = [t for w in self._workers.routable("decode")
                  if (t := w.predict_join_tpot_s(ticket.max_tokens, now)) is not None]
         waited = now - ticket.arrival_s
@@ -171,6 +173,9 @@ class Dispatcher:
         requests behind it that still can make theirs."""
         if not self._admission or ticket.ttft_slo_s is None or placement.predicted_ttft_s is None:
             return False
+        if (placement.where is Where.LOCAL
+                and self._workers.by_address(placement.worker).local_latency.fit(now) is None):
+            return False  # a bound from the local rate, not a measured time: no refusal on it
         ttft_s = now - ticket.arrival_s + placement.predicted_ttft_s
         if ttft_s <= ticket.ttft_slo_s:
             return False

@@ -76,13 +76,17 @@ class DecodeLoad:
     # prompts), measured; None: not yet (the rate above then stands in).
     local_ttft_fit: tuple[float, float] | None = None
 
-    def local_ttft_s(self, num_prompt_tokens: int) -> float | None:
+    def local_ttft_s(self, num_prompt_tokens: int, fitted_only: bool = False) -> float | None:
         """When a prompt sent here now gets its first token: it runs in the engine's next
-        step together with the local prompts already waiting."""
+        step together with the local prompts already waiting. Without a latency fit, the
+        local prefill rate (an upper bound: it charges the step's fixed part to every
+        token), unless ``fitted_only`` (admission: a bound must not refuse)."""
         tokens = self.local_prefill_tokens + num_prompt_tokens
         if self.local_ttft_fit is not None:
             base, per_token = self.local_ttft_fit
             return base + per_token * tokens
+        if fitted_only:
+            return None
         return tokens / self.local_tokens_per_s if self.local_tokens_per_s else None
 
     def has_seat(self, kv_tokens: int) -> bool:

@@ -191,19 +191,37 @@ def test_latency_meter_fits_a_fixed_part_and_a_part_per_token():
     assert m.fit(1.0 + m.max_age_s + 1) is None  # aged out
 
 
-def test_latency_meter_without_a_slope_to_fit_predicts_the_mean():
+def test_latency_meter_without_a_slope_to_fit_predicts_the_median():
     from gateway.admission import LatencyMeter
 
     alike, sloping_down, steep = LatencyMeter(), LatencyMeter(), LatencyMeter()
-    for seconds in (0.2, 0.3, 0.25):
+    for seconds in (0.2, 0.3, 0.22):
         alike.observe(40, seconds, 0.0)
-    sloping_down.observe(40, 0.3, 0.0)
-    sloping_down.observe(80, 0.2, 0.0)
-    steep.observe(40, 0.1, 0.0)  # a fit through these crosses zero: a rate instead
-    steep.observe(80, 0.4, 0.0)
-    assert alike.fit(0.0) == (pytest.approx(0.25), 0.0)
-    assert sloping_down.fit(0.0) == (pytest.approx(0.25), 0.0)
-    assert steep.fit(0.0) == (0.0, pytest.approx(0.5 / 120))
+    for tokens, seconds in ((40, 0.3), (80, 0.2), (60, 0.26)):
+        sloping_down.observe(tokens, seconds, 0.0)
+    # A fit through these crosses zero (slope 7.5 ms, intercept -0.2 s): a rate instead,
+    # the median of 2.5, 5 and 4.17 ms per token.
+    for tokens, seconds in ((40, 0.1), (80, 0.4), (60, 0.25)):
+        steep.observe(tokens, seconds, 0.0)
+    assert alike.fit(0.0) == (pytest.approx(0.22), 0.0)
+    assert sloping_down.fit(0.0) == (pytest.approx(0.26), 0.0)
+    assert steep.fit(0.0) == (0.0, pytest.approx(0.25 / 60))
+
+
+def test_latency_meter_is_not_set_by_one_slow_prefill():
+    """The interleaved short compare's first request after 75 s idle: 1.03 s. Alone it is
+    no fit (admission would refuse every short prompt on it); among warm ones, the median
+    keeps it out."""
+    from gateway.admission import LatencyMeter
+
+    m = LatencyMeter()
+    m.observe(40, 1.03, 0.0)
+    m.observe(30, 0.20, 1.0)
+    assert m.fit(1.0) is None
+    m.observe(50, 0.22, 2.0)
+    m.observe(40, 0.21, 3.0)
+    base, per_token = m.fit(3.0)
+    assert base + 40 * per_token == pytest.approx(0.21)
 
 
 def test_ratio_meter_is_the_median_of_recent_requests_measured_over_predicted():

@@ -325,7 +325,10 @@ def test_local_prefills_time_their_first_token_and_admission_uses_it():
         d0.local_meter.start(99.0)
         d0.local_meter.finish(40, 99.2)  # 40 tokens in 0.2 s: 200 tok/s
         pending = await d.acquire(ticket("pending", 40, ttft=0.4))  # local: 0.2 s
-        rate_based = d.forecast(ticket("probe", 60, ttft=0.4)).ttft_s  # (40 + 60) / 200
+        # One local prefill timed, no fit yet: admission forecasts nothing; placement
+        # falls back to the rate, (40 + 60) / 200.
+        assert d.forecast(ticket("probe", 60, ttft=0.4)).ttft_s is None
+        rate_based = d0.decode_load(clock.now).local_ttft_s(60)
         clock.now += 0.2
         d.first_token(d0, pending.seat, 1, num_cached_tokens=0)
         a = await d.acquire(ticket("a", 40, arrival=clock.now, ttft=0.4))
@@ -342,6 +345,31 @@ def test_local_prefills_time_their_first_token_and_admission_uses_it():
     assert step_tokens == [40, 40, 80]
     # (40, 0.2), (40, 0.24), (80, 0.24): 0.2 s + 0.5 ms per token; 60 tokens: 0.23 s.
     assert fit == (pytest.approx(0.2), pytest.approx(0.0005))
+
+
+def test_one_slow_local_prefill_refuses_nothing():
+    """The interleaved short compare's first request after 75 s idle took 1.03 s to its
+    first token; as the only local sample it refused the next 31 (objective 0.48 s) for a
+    minute. Now the next requests are admitted and placed on the decode worker until three
+    samples make a fit; the fit's median leaves the slow one out."""
+    async def scenario():
+        d, pool, clock = dispatcher(ttft=0.48)
+        d0 = pool.by_address("d0")
+        first = await d.acquire(ticket("first", 40, arrival=clock.now, ttft=0.48))
+        clock.now += 1.03
+        d.first_token(d0, first.seat, 1, num_cached_tokens=0)
+        wheres = []
+        for i in range(3):
+            g = await d.acquire(ticket(f"next{i}", 40, arrival=clock.now, ttft=0.48))
+            wheres.append(g.placement.where)
+            clock.now += 0.2
+            d.first_token(d0, g.seat, 1, num_cached_tokens=0)
+        forecast = d.forecast(ticket("then", 40, arrival=clock.now, ttft=0.48))
+        return first.placement.where, wheres, forecast.ttft_s
+
+    first, wheres, ttft = run(scenario())
+    assert first is Where.LOCAL and wheres == [Where.LOCAL] * 3
+    assert ttft == pytest.approx(0.2)
 
 
 def test_admission_scales_the_step_estimate_by_what_finished_requests_measured():

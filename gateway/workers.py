@@ -52,6 +52,13 @@ class Seat:
         return RunningRequest(self.tpot_slo_s, self.max_tokens, self.num_generated, self.first_token_s)
 
 
+# A healthy worker leaves rotation after this many health checks in a row went unanswered
+# (each waits 2 s); a refused connection or NOT_SERVING takes it out at once. A prefill
+# engine at idle CPU priority under full decode load answers late, not never: seen in the
+# long benchmark, four times "prefill worker ... is down" and back within 1-4 s, the
+# gateway NOT_SERVING for each of those moments with no worker gone.
+HEALTH_CHECKS_UNANSWERED_DOWN = 3
+
 STUBS = {"prefill": worker_pb2_grpc.PrefillWorkerStub, "decode": worker_pb2_grpc.DecodeWorkerStub}
 
 
@@ -85,6 +92,7 @@ class Worker:
     step_meter: StepMeter = field(default_factory=StepMeter)
     join_meter: JoinMeter = field(default_factory=JoinMeter)
     last_local_prefill_s: float = float("-inf")  # when its latest local prefill finished
+    unanswered_health_checks: int = 0  # in a row, while healthy
 
     @property
     def routable(self) -> bool:
@@ -302,7 +310,16 @@ class WorkerPool:
         self._check_compatibility()
 
     async def _poll(self, worker: Worker) -> None:
-        healthy = await rpc.check_health(worker.channel)
+        status = await rpc.health_status(worker.channel)
+        if status is rpc.Health.NO_ANSWER and worker.healthy:
+            worker.unanswered_health_checks += 1
+            if worker.unanswered_health_checks < HEALTH_CHECKS_UNANSWERED_DOWN:
+                return  # slow, not gone: it stays in rotation
+            logger.info("%s worker %s did not answer %d health checks in a row",
+                        worker.role, worker.address, worker.unanswered_health_checks)
+        else:
+            worker.unanswered_health_checks = 0
+        healthy = status is rpc.Health.SERVING
         if worker.source == "registered":
             # A failed health check says it is gone now; an answered one is as good as a
             # heartbeat (a busy host may delay heartbeats, not a live worker's answers).

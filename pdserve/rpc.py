@@ -8,6 +8,7 @@ else is a bug: logged with its traceback and answered INTERNAL.
 from __future__ import annotations
 
 import asyncio
+import enum
 import functools
 import logging
 import signal
@@ -166,13 +167,25 @@ def stop_event_on_signals() -> asyncio.Event:
     return event
 
 
-async def check_health(channel: grpc.aio.Channel, service: str = "", timeout_s: float = 2.0) -> bool:
+class Health(enum.Enum):
+    SERVING = "serving"
+    NOT_SERVING = "not serving"  # said so, or nothing listens there
+    NO_ANSWER = "no answer"  # alive or not, it did not answer in time
+
+
+async def health_status(channel: grpc.aio.Channel, service: str = "", timeout_s: float = 2.0) -> Health:
     stub = health_pb2_grpc.HealthStub(channel)
     try:
         reply = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)
-    except (grpc.aio.AioRpcError, grpc.aio.UsageError):  # UsageError: the channel was closed
-        return False
-    return reply.status == health_pb2.HealthCheckResponse.SERVING
+    except grpc.aio.AioRpcError as e:
+        return Health.NO_ANSWER if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED else Health.NOT_SERVING
+    except grpc.aio.UsageError:  # the channel was closed
+        return Health.NOT_SERVING
+    return Health.SERVING if reply.status == health_pb2.HealthCheckResponse.SERVING else Health.NOT_SERVING
+
+
+async def check_health(channel: grpc.aio.Channel, service: str = "", timeout_s: float = 2.0) -> bool:
+    return await health_status(channel, service, timeout_s) is Health.SERVING
 
 
 CHANNEL_OPTIONS = [

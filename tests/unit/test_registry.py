@@ -143,3 +143,74 @@ def test_polling_survives_a_worker_whose_channel_was_closed():
             await pool.close()
 
     assert asyncio.run(scenario()) is False
+
+
+def test_health_status_tells_a_late_answer_from_none():
+    """A health check past its deadline is NO_ANSWER (alive or not); nothing listening is
+    NOT_SERVING, as is a server that says so."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from pdserve import rpc
+    from pdserve.launcher import free_port
+
+    class Slow(health_pb2_grpc.HealthServicer):
+        async def Check(self, request, context):
+            await asyncio.sleep(1.0)
+            return health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVING)
+
+    async def scenario():
+        address = f"127.0.0.1:{free_port()}"
+        nobody = grpc.aio.insecure_channel(f"127.0.0.1:{free_port()}")
+        server = grpc.aio.server()
+        health_pb2_grpc.add_HealthServicer_to_server(Slow(), server)
+        server.add_insecure_port(address)
+        await server.start()
+        channel = grpc.aio.insecure_channel(address)
+        try:
+            return (await rpc.health_status(channel, timeout_s=0.2),
+                    await rpc.health_status(channel, timeout_s=3.0),
+                    await rpc.health_status(nobody, timeout_s=1.0))
+        finally:
+            await channel.close()
+            await nobody.close()
+            await server.stop(0)
+
+    assert asyncio.run(scenario()) == (rpc.Health.NO_ANSWER, rpc.Health.SERVING, rpc.Health.NOT_SERVING)
+
+
+def test_a_worker_leaves_rotation_after_three_unanswered_health_checks_or_one_refusal(monkeypatch):
+    """Late answers from a busy host keep a worker in rotation up to the third in a row; an
+    answer in between starts the count again; NOT_SERVING takes it out at once."""
+    from gateway.workers import HEALTH_CHECKS_UNANSWERED_DOWN
+    from pdserve import rpc
+
+    assert HEALTH_CHECKS_UNANSWERED_DOWN == 3
+    script: list[rpc.Health] = []
+
+    async def scripted(channel, service="", timeout_s=2.0):
+        return script.pop(0)
+
+    monkeypatch.setattr(rpc, "health_status", scripted)
+    S, N, X = rpc.Health.SERVING, rpc.Health.NO_ANSWER, rpc.Health.NOT_SERVING
+
+    async def scenario():
+        pool = WorkerPool.connect(("10.0.0.9:1",), ())
+        worker = pool.workers[0]
+
+        class Stub:  # a worker coming back is asked for its Info again
+            async def Info(self, request, timeout=None):
+                return info("p1", "prefill")
+
+        worker.stub = Stub()
+        seen = []
+        try:
+            for status in (S, N, N, S, N, N, N, S, X):
+                script.append(status)
+                await pool.poll_once()
+                seen.append(worker.healthy)
+            return seen
+        finally:
+            await pool.close()
+
+    assert asyncio.run(scenario()) == [True, True, True, True, True, True, False, True, False]

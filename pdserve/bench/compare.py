@@ -150,6 +150,9 @@ class CompareResult:
     search: SearchConfig | None = None
     elapsed_s: float = 0.0
     mode: str = "interleaved"
+    # Why the compare ran in another mode than asked (interleaved falls back to sequential
+    # when the systems would not fit in memory together); None: as asked.
+    mode_reason: str | None = None
     # (system, rate) in the order measured, across systems.
     measured_in_order: list[tuple[str, float]] = field(default_factory=list)
 

@@ -233,7 +233,7 @@ def compare_dict(cfg: CompareConfig, result: CompareResult) -> dict:
             "floor_rule": "given" if cfg.plan.floor_rps else "start / factor"},
         "goodput": "highest rate with >= 90% of requests meeting their class's SLOs, "
                    "interpolated in the final bracket",
-        "mode": result.mode,
+        "mode": result.mode, "mode_reason": result.mode_reason,
         "measured_in_order": [[name, rate] for name, rate in result.measured_in_order],
         "budget_s": cfg.plan.budget_s, "elapsed_s": result.elapsed_s,
         "cpu_count": os.cpu_count(),

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from pdserve.bench.calibration import CalibrationError
 from pdserve.bench.compare import (Budget, CompareConfig, CompareResult, SystemResult,
                                    bench_config_for, calibrate_on, describe_outcome,
-                                   extra_rates, log, measure, pdserve_spec, vllm_spec)
+                                   extra_rates, log, measure, pdserve_spec, run_sequential,
+                                   vllm_spec)
 from pdserve.bench.presets import class_weights
 from pdserve.bench.runner import BenchConfig, RunResult, make_backend, warm_up
 from pdserve.bench.search import RateSearch
@@ -30,6 +31,34 @@ from pdserve.bench.servers import ServerError, ServerProcess, free_port, tree_cp
 # An idle system using more than this (cores, averaged over another's measurement) is
 # logged: that measurement did not have the machine to itself.
 IDLE_CORES_WARNING = 0.05
+
+# Engines each system runs (the compare starts pdserve with one worker per tier).
+ENGINES = {"vllm": 1, "pdserve-fifo": 2, "pdserve": 2}
+# The systems still to boot must fit in the memory available with this much to spare, each
+# engine taking what the first booted system's engines took. Their KV caches fill as they
+# serve, so a tight fit at boot is not one under load.
+MEMORY_HEADROOM = 1.25
+
+
+def fits_in_memory(first: str, first_took_bytes: int, rest: list[str],
+                   available_bytes: int) -> tuple[bool, int]:
+    """Whether the systems in ``rest`` fit in ``available_bytes``, each engine taking what
+    ``first``'s took at boot; and the bytes they need."""
+    per_engine = first_took_bytes / ENGINES[first]
+    need = round(per_engine * sum(ENGINES[s] for s in rest) * MEMORY_HEADROOM)
+    return available_bytes >= need, need
+
+
+def mem_available_bytes() -> int | None:
+    """The kernel's estimate of memory available to new work; None off Linux."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 @dataclass(slots=True)
 class Lane:
@@ -52,13 +81,19 @@ class Lane:
 
 
 def run_interleaved(cfg: CompareConfig) -> CompareResult:
-    """Boots every system, then measures them in turns (see the module's docstring)."""
+    """Boots every system, then measures them in turns (see the module's docstring).
+
+    When the systems left to boot would not fit in memory beside the first one (each engine
+    taking what the first one's took), it stops that one and measures one system at a time
+    instead (`compare.run_sequential`), saying why in the log and the JSON: seen on a 24 GiB
+    machine, the mixed compare's five engines booted at once and the kernel killed one."""
     out = CompareResult(mode="interleaved")
     started = time.monotonic()
     deadline = started + cfg.plan.budget_s
     booted: dict[str, tuple[str, int | None]] = {}  # system -> (address, pid)
+    order = cfg.run_order()
     with contextlib.ExitStack() as servers:
-        for system in cfg.run_order():
+        for k, system in enumerate(order):
             result = out.systems[system] = SystemResult(system)
             existing = cfg.vllm_url if system == "vllm" else cfg.pdserve_target
             if existing is not None:
@@ -68,6 +103,7 @@ def run_interleaved(cfg: CompareConfig) -> CompareResult:
             spec = vllm_spec(cfg, port) if system == "vllm" else pdserve_spec(cfg, port, system)
             result.command, result.env = spec.argv, spec.env
             log(f"starting {system}: {' '.join(spec.argv)}")
+            available = mem_available_bytes()
             try:
                 server = servers.enter_context(ServerProcess(spec, cfg.log_dir / f"{system}.log"))
             except (ServerError, OSError) as e:
@@ -78,6 +114,22 @@ def run_interleaved(cfg: CompareConfig) -> CompareResult:
             log(f"{system} ready in {server.boot_s:.0f} s")
             address = f"http://127.0.0.1:{port}" if system == "vllm" else f"127.0.0.1:{port}"
             booted[system] = (address, server.pid)
+            rest = [s for s in order[k + 1:] if (cfg.vllm_url if s == "vllm" else cfg.pdserve_target) is None]
+            now_available = mem_available_bytes()
+            if len(booted) == 1 and rest and available is not None and now_available is not None:
+                fits, need = fits_in_memory(system, max(available - now_available, 0), rest, now_available)
+                if not fits:
+                    reason = (f"{', '.join(rest)} would need about {need / 2**30:.1f} GiB beside "
+                              f"{system} ({(available - now_available) / 2**30:.1f} GiB at boot), "
+                              f"{now_available / 2**30:.1f} GiB is available")
+                    servers.close()
+                    log(f"{reason}: measuring one system at a time instead (--sequential)")
+                    left_s = cfg.plan.budget_s - (time.monotonic() - started)
+                    fallback = run_sequential(dataclasses.replace(
+                        cfg, plan=dataclasses.replace(cfg.plan, budget_s=left_s)))
+                    fallback.mode_reason = reason
+                    fallback.elapsed_s = time.monotonic() - started
+                    return fallback
         if booted:
             asyncio.run(measure_interleaved(cfg, booted, out, deadline))
     out.elapsed_s = time.monotonic() - started

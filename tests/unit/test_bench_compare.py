@@ -436,3 +436,68 @@ def test_interleaved_policy_rate_out_of_time_is_skipped_and_the_search_goes_on(m
     pd = out.systems["pdserve"]
     assert pd.skipped_rates == [0.5] and not pd.stopped_by_budget
     assert pd.search.status.value == "above_ceiling" and pd.search.bound_rps == 4.0
+
+
+def test_fits_in_memory_counts_engines_by_what_the_first_system_took():
+    from pdserve.bench.interleave import MEMORY_HEADROOM, fits_in_memory
+
+    assert MEMORY_HEADROOM == 1.25
+    GiB = 2**30
+    # vLLM (one engine) took 3 GiB: two pdserve systems, four engines, need 15 GiB.
+    assert fits_in_memory("vllm", 3 * GiB, ["pdserve-fifo", "pdserve"], 15 * GiB) == (True, 15 * GiB)
+    assert fits_in_memory("vllm", 3 * GiB, ["pdserve-fifo", "pdserve"], 14 * GiB) == (False, 15 * GiB)
+    # pdserve (two engines) took 6 GiB: vLLM's one needs 3.75 GiB.
+    assert fits_in_memory("pdserve", 6 * GiB, ["vllm"], 4 * GiB) == (True, round(3.75 * GiB))
+
+
+def test_interleaved_compare_falls_back_to_one_system_at_a_time_when_the_rest_would_not_fit(
+        tmp_path, fake_pdserve, monkeypatch):
+    """The first system booted took 3 GiB of 10 for its two engines: the second needs 3.75
+    GiB with headroom and 7 is available, so both boot. With 5 GiB taken, 5 left, the second
+    would need 6.25: the first is stopped and both run one after the other, the JSON saying
+    why."""
+    import contextlib
+
+    from pdserve.bench import compare, compare_report, interleave
+
+    target, _ = fake_pdserve
+    port = int(target.rsplit(":", 1)[1])
+    GiB = 2**30
+
+    def measure_with(taken_gib: float):
+        readings = iter([10 * GiB, round((10 - taken_gib) * GiB)] + [5 * GiB] * 20)
+        events = []
+
+        @contextlib.contextmanager
+        def fake_server(spec, log_path):
+            events.append(("start", spec.name))
+            yield type("Server", (), {"boot_s": 0.0, "pid": None})()
+            events.append(("stop", spec.name))
+
+        def fake_spec(cfg, port, system="pdserve"):
+            from pdserve.bench.servers import ServerSpec
+            return ServerSpec(system, ["true"], ready_pattern="ready")
+
+        monkeypatch.setattr(interleave, "mem_available_bytes", lambda: next(readings))
+        for module in (interleave, compare):
+            monkeypatch.setattr(module, "ServerProcess", fake_server)
+            monkeypatch.setattr(module, "free_port", lambda: port)
+            monkeypatch.setattr(module, "pdserve_spec", fake_spec)
+        cfg = dataclasses.replace(fake_compare_config(tmp_path, target, ("pdserve-fifo", "pdserve")),
+                                  pdserve_target=None)
+        return interleave.run_interleaved(cfg), events, cfg
+
+    result, events, _ = measure_with(3)
+    assert result.mode == "interleaved" and result.mode_reason is None
+    assert events == [("start", "pdserve-fifo"), ("start", "pdserve"),
+                      ("stop", "pdserve"), ("stop", "pdserve-fifo")]
+
+    result, events, cfg = measure_with(5)
+    assert result.mode == "sequential"
+    assert result.mode_reason == ("pdserve would need about 6.2 GiB beside pdserve-fifo "
+                                  "(5.0 GiB at boot), 5.0 GiB is available")
+    assert events == [("start", "pdserve-fifo"), ("stop", "pdserve-fifo"),
+                      ("start", "pdserve-fifo"), ("stop", "pdserve-fifo"),
+                      ("start", "pdserve"), ("stop", "pdserve")]
+    assert all(s.error is None and s.runs for s in result.systems.values())
+    assert compare_report.compare_dict(cfg, result)["config"]["mode_reason"] == result.mode_reason

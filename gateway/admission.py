@@ -403,7 +403,8 @@ def decide(forecast: Forecast, ttft_slo_s: float | None, tpot_slo_s: float | Non
         )
     best = forecast.tpot_s if forecast.tpot_best_s is None else forecast.tpot_best_s
     if tpot_slo_s is not None and forecast.tpot_s is not None and best > tpot_slo_s:
-        at_best = f" (at best {best * 1000:.0f} ms)" if forecast.tpot_best_s is not None else ""
+        at_best = (f" (at best {best * 1000:.0f} ms)"
+                   if round(best * 1000) != round(forecast.tpot_s * 1000) else "")
         return Refusal(
             Reason.TPOT,
             f"predicted time per output token {forecast.tpot_s * 1000:.0f} ms{at_best} exceeds "

@@ -128,6 +128,8 @@ def test_tpot_refusal_needs_the_best_case_forecast_to_miss():
     refusal = decide(Forecast(1.0, 0.110, tpot_best_s=0.092), ttft_slo_s=2.0, tpot_slo_s=0.090)
     assert refusal is not None and refusal.reason is Reason.TPOT
     assert "110 ms (at best 92 ms) exceeds the request's objective of 90 ms" in refusal.message
+    alike = decide(Forecast(1.0, 0.110, tpot_best_s=0.110), ttft_slo_s=2.0, tpot_slo_s=0.090)
+    assert "token 110 ms exceeds the request's objective of 90 ms" in alike.message
 
 
 def test_ratio_quantile_is_the_lower_neighbour_of_recent_ratios():

@@ -1,0 +1,205 @@
+"""The interleaved compare's driver: turns, time shares, the policy rate, booting and the
+fallback to one system at a time (servers and measurements faked)."""
+
+import dataclasses
+import time
+
+from tests.unit.conftest import fake_compare_config
+
+
+def test_interleaved_compare_measures_the_systems_that_booted(tmp_path, fake_pdserve,
+                                                               monkeypatch):
+    """vLLM's server exits before it is ready: its error is reported, pdserve is still
+    measured, and the SLOs come from pdserve's unloaded run (the JSON says so)."""
+    import sys
+
+    from pdserve.bench import interleave
+    from pdserve.bench.servers import ServerSpec
+
+    def failing_vllm(cfg, port):
+        return ServerSpec("vllm", [sys.executable, "-c", "import sys; sys.exit(3)"],
+                          health_url=f"http://127.0.0.1:{port}/health", boot_timeout_s=30)
+
+    monkeypatch.setattr(interleave, "vllm_spec", failing_vllm)
+    target, _ = fake_pdserve
+    result = interleave.run_interleaved(fake_compare_config(tmp_path, target,
+                                                            ("vllm", "pdserve")))
+    assert "vllm exited with 3 before it was ready" in result.systems["vllm"].error
+    assert result.systems["vllm"].runs == []
+    assert result.systems["pdserve"].error is None
+    assert result.calibration.source == "pdserve"
+    assert [name for name, _ in result.measured_in_order] == ["pdserve", "pdserve"]
+
+
+def test_interleaved_systems_take_turns_and_pdserve_follows_fifo_to_its_policy_rate(
+        monkeypatch):
+    """The turn order with measurements faked: each system's next rate in turn; pdserve
+    measures fifo's first interactive miss (2 req/s) and its search reuses it."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from pdserve.bench import compare, interleave
+    from pdserve.bench.search import RateSearch, SearchConfig
+
+    capacity = {"vllm": 3.0, "pdserve-fifo": 2.0, "pdserve": 3.0}  # meets below these
+
+    async def fake_measure(backend, bench, system, rate):
+        att = 1.0 if rate < capacity[system] else 0.5
+        summary = SimpleNamespace(slo_attainment=att,
+                                  by_class={"interactive": SimpleNamespace(slo_attainment=att)})
+        return SimpleNamespace(load=SimpleNamespace(rate_rps=rate), summary=summary)
+
+    monkeypatch.setattr(interleave, "measure", fake_measure)
+    out = compare.CompareResult()
+    search = SearchConfig(start_rps=1.0, floor_rps=0.5, factor=2.0, bisections=1,
+                          max_up_steps=2)
+    lanes = []
+    for name in ("vllm", "pdserve-fifo", "pdserve"):
+        out.systems[name] = compare.SystemResult(name)
+        lanes.append(interleave.Lane(out.systems[name], None, None, None, RateSearch(search),
+                                  compare.Budget(time.monotonic() + 1e6, 40, 1.0)))
+    asyncio.run(interleave.alternate(lanes, out))
+    assert out.measured_in_order == [
+        ("vllm", 1.0), ("pdserve-fifo", 1.0), ("pdserve", 1.0),
+        ("vllm", 2.0), ("pdserve-fifo", 2.0), ("pdserve", 2.0),  # 2.0 is also fifo's miss
+        ("vllm", 4.0), ("pdserve-fifo", 1.41), ("pdserve", 4.0),
+        ("vllm", 2.83), ("pdserve", 2.83)]
+    assert out.systems["pdserve"].search.goodput_rps == out.systems["vllm"].search.goodput_rps
+    assert out.systems["pdserve-fifo"].search.bracket[1].rate_rps == 2.0
+    assert all(lane.done for lane in lanes)
+
+
+def test_interleaved_budget_share_stops_a_search_and_others_time_is_not_charged(monkeypatch):
+    """On a fake clock: each measurement takes its estimate. vLLM's 70 s share holds 1 and
+    2 req/s (42 + 22 s) but not 4 (12 s more), although pdserve's turns took 64 s between."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from pdserve.bench import compare, interleave
+    from pdserve.bench.search import RateSearch, SearchConfig
+
+    now = [1000.0]
+
+    async def fake_measure(backend, bench, system, rate):
+        now[0] += 40 / rate + 2.0
+        summary = SimpleNamespace(slo_attainment=1.0, by_class={})
+        return SimpleNamespace(load=SimpleNamespace(rate_rps=rate), summary=summary)
+
+    monkeypatch.setattr(interleave, "measure", fake_measure)
+    monkeypatch.setattr(interleave, "time", SimpleNamespace(monotonic=lambda: now[0]))
+    monkeypatch.setattr(compare, "time", SimpleNamespace(monotonic=lambda: now[0]))  # Budget
+    out = compare.CompareResult()
+    search = SearchConfig(start_rps=1.0, floor_rps=0.5, max_up_steps=3)
+    lanes = []
+    for name, share_s in (("vllm", 70.0), ("pdserve", 1e6)):
+        out.systems[name] = compare.SystemResult(name)
+        lanes.append(interleave.Lane(out.systems[name], None, None, None, RateSearch(search),
+                                  compare.Budget(now[0] + share_s, 41, 1.0)))
+    asyncio.run(interleave.alternate(lanes, out))
+    assert out.measured_in_order == [("vllm", 1.0), ("pdserve", 1.0), ("vllm", 2.0),
+                                     ("pdserve", 2.0), ("pdserve", 4.0), ("pdserve", 8.0)]
+    assert out.systems["vllm"].stopped_by_budget and not out.systems["pdserve"].stopped_by_budget
+    assert out.systems["pdserve"].search.status.value == "above_ceiling"
+
+
+def test_interleaved_policy_rate_out_of_time_is_skipped_and_the_search_goes_on(monkeypatch):
+    """fifo misses at 1 and at its floor 0.5 req/s; pdserve's share has no room for 0.5 (82
+    s on the fake clock) after its own 1.0, so it skips that policy rate and still climbs
+    from the 1.0 it measured as fifo's first miss."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from pdserve.bench import compare, interleave
+    from pdserve.bench.search import RateSearch, SearchConfig
+
+    now = [1000.0]
+    capacity = {"pdserve-fifo": 0.1, "pdserve": 10.0}
+
+    async def fake_measure(backend, bench, system, rate):
+        now[0] += 40 / rate + 2.0
+        att = 1.0 if rate < capacity[system] else 0.5
+        summary = SimpleNamespace(slo_attainment=att,
+                                  by_class={"interactive": SimpleNamespace(slo_attainment=att)})
+        return SimpleNamespace(load=SimpleNamespace(rate_rps=rate), summary=summary)
+
+    monkeypatch.setattr(interleave, "measure", fake_measure)
+    monkeypatch.setattr(interleave, "time", SimpleNamespace(monotonic=lambda: now[0]))
+    monkeypatch.setattr(compare, "time", SimpleNamespace(monotonic=lambda: now[0]))
+    out = compare.CompareResult()
+    search = SearchConfig(start_rps=1.0, floor_rps=0.5, max_up_steps=2)
+    lanes = []
+    for name, share_s in (("pdserve-fifo", 1e6), ("pdserve", 100.0)):
+        out.systems[name] = compare.SystemResult(name)
+        lanes.append(interleave.Lane(out.systems[name], None, None, None, RateSearch(search),
+                                     compare.Budget(now[0] + share_s, 41, 1.0)))
+    asyncio.run(interleave.alternate(lanes, out))
+    assert out.measured_in_order == [("pdserve-fifo", 1.0), ("pdserve", 1.0),
+                                     ("pdserve-fifo", 0.5), ("pdserve", 2.0), ("pdserve", 4.0)]
+    pd = out.systems["pdserve"]
+    assert pd.skipped_rates == [0.5] and not pd.stopped_by_budget
+    assert pd.search.status.value == "above_ceiling" and pd.search.bound_rps == 4.0
+
+
+def test_fits_in_memory_counts_engines_by_what_the_first_system_took():
+    from pdserve.bench.interleave import MEMORY_HEADROOM, fits_in_memory
+
+    assert MEMORY_HEADROOM == 1.25
+    GiB = 2**30
+    # vLLM (one engine) took 3 GiB: two pdserve systems, four engines, need 15 GiB.
+    assert fits_in_memory("vllm", 3 * GiB, ["pdserve-fifo", "pdserve"], 15 * GiB) == (True, 15 * GiB)
+    assert fits_in_memory("vllm", 3 * GiB, ["pdserve-fifo", "pdserve"], 14 * GiB) == (False, 15 * GiB)
+    # pdserve (two engines) took 6 GiB: vLLM's one needs 3.75 GiB.
+    assert fits_in_memory("pdserve", 6 * GiB, ["vllm"], 4 * GiB) == (True, round(3.75 * GiB))
+
+
+def test_interleaved_compare_falls_back_to_one_system_at_a_time_when_the_rest_would_not_fit(
+        tmp_path, fake_pdserve, monkeypatch):
+    """The first system booted took 3 GiB of 10 for its two engines: the second needs 3.75
+    GiB with headroom and 7 is available, so both boot. With 5 GiB taken, 5 left, the second
+    would need 6.25: the first is stopped and both run one after the other, the JSON saying
+    why."""
+    import contextlib
+
+    from pdserve.bench import compare, compare_report, interleave
+
+    target, _ = fake_pdserve
+    port = int(target.rsplit(":", 1)[1])
+    GiB = 2**30
+
+    def measure_with(taken_gib: float):
+        readings = iter([10 * GiB, round((10 - taken_gib) * GiB)] + [5 * GiB] * 20)
+        events = []
+
+        @contextlib.contextmanager
+        def fake_server(spec, log_path):
+            events.append(("start", spec.name))
+            yield type("Server", (), {"boot_s": 0.0, "pid": None})()
+            events.append(("stop", spec.name))
+
+        def fake_spec(cfg, port, system="pdserve"):
+            from pdserve.bench.servers import ServerSpec
+            return ServerSpec(system, ["true"], ready_pattern="ready")
+
+        monkeypatch.setattr(interleave, "mem_available_bytes", lambda: next(readings))
+        for module in (interleave, compare):
+            monkeypatch.setattr(module, "ServerProcess", fake_server)
+            monkeypatch.setattr(module, "free_port", lambda: port)
+            monkeypatch.setattr(module, "pdserve_spec", fake_spec)
+        cfg = dataclasses.replace(fake_compare_config(tmp_path, target, ("pdserve-fifo", "pdserve")),
+                                  pdserve_target=None)
+        return interleave.run_interleaved(cfg), events, cfg
+
+    result, events, _ = measure_with(3)
+    assert result.mode == "interleaved" and result.mode_reason is None
+    assert events == [("start", "pdserve-fifo"), ("start", "pdserve"),
+                      ("stop", "pdserve"), ("stop", "pdserve-fifo")]
+
+    result, events, cfg = measure_with(5)
+    assert result.mode == "sequential"
+    assert result.mode_reason == ("pdserve would need about 6.2 GiB beside pdserve-fifo "
+                                  "(5.0 GiB at boot), 5.0 GiB is available")
+    assert events == [("start", "pdserve-fifo"), ("stop", "pdserve-fifo"),
+                      ("start", "pdserve-fifo"), ("stop", "pdserve-fifo"),
+                      ("start", "pdserve"), ("stop", "pdserve")]
+    assert all(s.error is None and s.runs for s in result.systems.values())
+    assert compare_report.compare_dict(cfg, result)["config"]["mode_reason"] == result.mode_reason

@@ -126,6 +126,10 @@ class CompareConfig:
     def run_order(self) -> tuple[str, ...]:
         return tuple(s for s in SYSTEMS if s in self.systems)
 
+    def given_address(self, system: str) -> str | None:
+        """The address of a server the caller runs for this system; None: the compare boots it."""
+        return self.vllm_url if system == "vllm" else self.pdserve_target
+
 
 @dataclass(slots=True)
 class SystemResult:
@@ -361,7 +365,7 @@ def run_system(cfg: CompareConfig, system: str, out: CompareResult,
     """Boots (unless given an address), measures and stops one system; never raises for a
     server that fails, so the next system still runs and the failure is reported."""
     result = SystemResult(system)
-    existing = cfg.vllm_url if system == "vllm" else cfg.pdserve_target
+    existing = cfg.given_address(system)
     try:
         if existing is not None:
             asyncio.run(measure_system(cfg, system, existing, out, result, share_end_s))

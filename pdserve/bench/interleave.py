@@ -60,6 +60,21 @@ def mem_available_bytes() -> int | None:
         pass
     return None
 
+
+def no_room_reason(booted: str, before_bytes: int | None, after_bytes: int | None,
+                   rest: list[str]) -> str | None:
+    """Why the systems in ``rest`` cannot boot beside ``booted``, which took what
+    MemAvailable fell by while it booted; None: they fit (or memory is not known)."""
+    if not rest or before_bytes is None or after_bytes is None:
+        return None
+    took = max(before_bytes - after_bytes, 0)
+    fits, need = fits_in_memory(booted, took, rest, after_bytes)
+    if fits:
+        return None
+    return (f"{', '.join(rest)} would need about {need / 2**30:.1f} GiB beside {booted} "
+            f"({took / 2**30:.1f} GiB at boot), {after_bytes / 2**30:.1f} GiB is available")
+
+
 @dataclass(slots=True)
 class Lane:
     """One booted system in the interleaved compare: its search and its time share."""
@@ -95,7 +110,7 @@ def run_interleaved(cfg: CompareConfig) -> CompareResult:
     with contextlib.ExitStack() as servers:
         for k, system in enumerate(order):
             result = out.systems[system] = SystemResult(system)
-            existing = cfg.vllm_url if system == "vllm" else cfg.pdserve_target
+            existing = cfg.given_address(system)
             if existing is not None:
                 booted[system] = (existing, None)
                 continue
@@ -114,22 +129,19 @@ def run_interleaved(cfg: CompareConfig) -> CompareResult:
             log(f"{system} ready in {server.boot_s:.0f} s")
             address = f"http://127.0.0.1:{port}" if system == "vllm" else f"127.0.0.1:{port}"
             booted[system] = (address, server.pid)
-            rest = [s for s in order[k + 1:] if (cfg.vllm_url if s == "vllm" else cfg.pdserve_target) is None]
-            now_available = mem_available_bytes()
-            if len(booted) == 1 and rest and available is not None and now_available is not None:
-                fits, need = fits_in_memory(system, max(available - now_available, 0), rest, now_available)
-                if not fits:
-                    reason = (f"{', '.join(rest)} would need about {need / 2**30:.1f} GiB beside "
-                              f"{system} ({(available - now_available) / 2**30:.1f} GiB at boot), "
-                              f"{now_available / 2**30:.1f} GiB is available")
-                    servers.close()
-                    log(f"{reason}: measuring one system at a time instead (--sequential)")
-                    left_s = cfg.plan.budget_s - (time.monotonic() - started)
-                    fallback = run_sequential(dataclasses.replace(
-                        cfg, plan=dataclasses.replace(cfg.plan, budget_s=left_s)))
-                    fallback.mode_reason = reason
-                    fallback.elapsed_s = time.monotonic() - started
-                    return fallback
+            if len(booted) > 1:
+                continue
+            rest = [s for s in order[k + 1:] if cfg.given_address(s) is None]
+            reason = no_room_reason(system, available, mem_available_bytes(), rest)
+            if reason is not None:
+                servers.close()
+                log(f"{reason}: measuring one system at a time instead (--sequential)")
+                left_s = cfg.plan.budget_s - (time.monotonic() - started)
+                fallback = run_sequential(dataclasses.replace(
+                    cfg, plan=dataclasses.replace(cfg.plan, budget_s=left_s)))
+                fallback.mode_reason = reason
+                fallback.elapsed_s = time.monotonic() - started
+                return fallback
         if booted:
             asyncio.run(measure_interleaved(cfg, booted, out, deadline))
     out.elapsed_s = time.monotonic() - started

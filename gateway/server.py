@@ -12,7 +12,8 @@ A Generate call:
      Placed local: Decode without a handle on the chosen decode worker, which prefills the
      prompt itself (short prompts, busy prefill tier). A short prompt's remote prefill that
      stalls (twice its predicted time) is cancelled and moved to a decode worker.
-  6. Stream detokenized text, cutting at stop strings, until a finish reason.
+  6. Stream detokenized text, cutting at stop strings, until a finish reason. A call that
+     completes carries where it ran in its trailing metadata (`Route`).
 A call that ends before its decode completes releases the handle, so the prefill side frees
 the blocks now rather than at lease expiry.
 """
@@ -23,6 +24,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import grpc
@@ -52,6 +54,22 @@ SERVICE_NAME = "pdserve.v1.Generation"
 DRAIN_GRACE_S = 10.0
 # A stalled remote prefill that no decode worker could take yet is offered again this often.
 STALL_RECHECK_S = 0.1
+
+
+@dataclass(slots=True)
+class Route:
+    """Where a call ran, for its caller: trailing metadata ``pdserve-prefill`` (local: the
+    decode worker prefilled the prompt; remote: the prefill tier did; moved: the prefill
+    tier stalled and a decode worker took the prompt over) and the workers' addresses."""
+
+    prefill: str = ""
+    prefill_worker: str = ""
+    decode_worker: str = ""
+
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        return tuple((key, value) for key, value in (
+            ("pdserve-prefill", self.prefill), ("pdserve-prefill-worker", self.prefill_worker),
+            ("pdserve-decode-worker", self.decode_worker)) if value)
 
 
 class WorkerGone(rpc.Unavailable):
@@ -101,14 +119,17 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             )
         self._num_inflight += 1
         metrics.INFLIGHT.set(self._num_inflight)
+        route = Route()
         try:
-            async for reply in self._run(job, context.time_remaining()):
+            async for reply in self._run(job, context.time_remaining(), route):
                 yield reply
+            context.set_trailing_metadata(route.metadata())
         finally:
             self._num_inflight -= 1
             metrics.INFLIGHT.set(self._num_inflight)
 
-    async def _run(self, job: Job, time_remaining_s: float | None) -> AsyncIterator[generation_pb2.GenerateResponse]:
+    async def _run(self, job: Job, time_remaining_s: float | None,
+                   route: Route) -> AsyncIterator[generation_pb2.GenerateResponse]:
         arrival_s = time.monotonic()
         info = self._workers.model_info()
         if info is None or not self._workers.ready():
@@ -122,14 +143,18 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         for attempt in range(1, self._cfg.max_attempts + 1):
             grant = await self._dispatcher.acquire(ticket)
             worker = self._workers.by_address(grant.placement.worker)
+            route.prefill, route.prefill_worker = grant.placement.where.value, ""
             try:
                 if grant.placement.where is Where.REMOTE:
+                    route.prefill_worker = worker.address
                     outcome = await self._call_prefill(job, ticket, worker, prompt_ids, grant)
                     if isinstance(outcome, worker_pb2.PrefillResponse):
                         prefill = outcome
                         break
                     grant, worker = outcome, self._workers.by_address(outcome.placement.worker)
+                    route.prefill = "moved"
                 assert grant.seat is not None
+                route.decode_worker = worker.address
                 async for reply in self._decode(job, stream, ticket, worker, grant.seat, prompt_ids, None):
                     yield reply
                 return
@@ -150,6 +175,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             if stream.stopped:
                 return
             worker, seat = await self._dispatcher.decode_seat(ticket)
+            route.decode_worker = worker.address
             self._dispatcher.first_token(worker, seat, 1, 0)
             async for reply in self._decode(job, stream, ticket, worker, seat, prompt_ids + [first], prefill.kv):
                 yield reply

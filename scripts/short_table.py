@@ -1,6 +1,7 @@
 """The table docs/benchmarks.md shows for a `pdserve bench compare --workload short|long
 --json --save-records` file (one request class): per system and rate, attainment, refusals, misses among the served
-(from each request's timeline against its SLOs), latencies and throughput, and the order
+(from each request's timeline against its SLOs), latencies and throughput, where pdserve
+prefilled the served prompts (its trailing metadata: local / remote / moved), and the order
 the systems took turns in.
 
     python scripts/short_table.py short.json
@@ -17,13 +18,17 @@ print(f"SLOs: TTFT {ttft_slo:.3f} s, TPOT {tpot_slo * 1000:.1f} ms "
       f"(vLLM unloaded TTFT p50 {d['slo']['unloaded_p50']['default']['ttft_p50_s']:.3f} s, "
       f"TPOT p50 {d['slo']['unloaded_p50']['default']['tpot_p50_s'] * 1000:.1f} ms)\n")
 print("| system | rate (req/s) | SLO attainment | refused | other errors | late among served "
-      "(TTFT / TPOT) | TTFT p50 / p99 | TPOT p50 / p99 | output tok/s |")
-print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+      "(TTFT / TPOT) | TTFT p50 / p99 | TPOT p50 / p99 | output tok/s | prefill local / remote / moved |")
+print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
 for name in ("vllm", "pdserve"):
     runs = {x["rate_rps"]: x["records"] for x in d["detail"][name]}
     for m in sorted(d[name]["measurements"], key=lambda m: m["rate_rps"]):
         refused = errors = late_ttft = late_tpot = 0
+        placed = {"local": 0, "remote": 0, "moved": 0}
         for r in runs[m["rate_rps"]]:
+            where = r.get("route", {}).get("prefill")
+            if where in placed:
+                placed[where] += 1
             if r["error"]:
                 refused += r["error"] == "RESOURCE_EXHAUSTED"
                 errors += r["error"] != "RESOURCE_EXHAUSTED"
@@ -35,7 +40,8 @@ for name in ("vllm", "pdserve"):
         print(f"| {name} | {m['rate_rps']:g} | {m['slo_attainment']:.1%} | {refused} | "
               f"{errors} | {late_ttft} / {late_tpot} | {m['ttft_p50_s']:.3f} / {m['ttft_p99_s']:.3f} s | "
               f"{m['tpot_p50_s'] * 1000:.1f} / {m['tpot_p99_s'] * 1000:.1f} ms | "
-              f"{m['output_tok_s']:.1f} |")
+              f"{m['output_tok_s']:.1f} | "
+              f"{' / '.join(map(str, placed.values())) if any(placed.values()) else '-'} |")
 r = d["ratios"]
 print(f"\ngoodput: vllm {d['vllm']['goodput']['goodput_rps'] or d['vllm']['goodput']['status']}, "
       f"pdserve {d['pdserve']['goodput']['goodput_rps'] or d['pdserve']['goodput']['status']}; "

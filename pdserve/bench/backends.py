@@ -148,11 +148,23 @@ class GrpcBackend:
                     streamed += len(response.token_ids)
                 if response.HasField("usage"):
                     reported = response.usage.completion_tokens
+            record.done_s = now()
+            record.route = route_of(await call.trailing_metadata())
         except grpc.aio.AioRpcError as e:
             record.error, record.error_message = e.code().name, e.details() or ""
-        record.done_s = now()
+            record.done_s = now()
         record.output_tokens = reported if reported is not None else streamed
         return record
+
+
+ROUTE_PREFIX = "pdserve-"
+
+
+def route_of(metadata) -> dict[str, str]:
+    """pdserve's trailing metadata about where a call ran (gateway.server.Route), without
+    the prefix: {"prefill": "local", "decode-worker": "127.0.0.1:..."}."""
+    return {key[len(ROUTE_PREFIX):]: value for key, value in (metadata or ())
+            if key.startswith(ROUTE_PREFIX) and isinstance(value, str)}
 
 
 # ---------------------------------------------------------------- OpenAI HTTP ------------

@@ -37,6 +37,7 @@ import dataclasses
 import os
 import sys
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -232,6 +233,15 @@ def bench_config_for(cfg: CompareConfig, system: str, address: str) -> BenchConf
 # ---------------------------------------------------------------- measuring --------------
 
 
+def describe_routes(records: list[RequestRecord]) -> str:
+    """", prefill local 30 / remote 8 / moved 2" from the servers' own account (pdserve's
+    trailing metadata); "" when none gave one (vLLM)."""
+    counts = Counter(r.route["prefill"] for r in records if "prefill" in r.route)
+    if not counts:
+        return ""
+    return ", prefill " + " / ".join(f"{where} {counts[where]}" for where in sorted(counts))
+
+
 def rate_content_seed(seed: int, rate_rps: float) -> int:
     """Prompt token ids per (seed, rate): every system gets the same prompts at a rate,
     and no rate sees another's in the prefix cache."""
@@ -258,7 +268,7 @@ async def measure(backend, bench: BenchConfig, system: str, rate: float) -> RunR
     ttft = "-" if s.ttft_s is None else f"{s.ttft_s.p50:.2f}"
     tpot = "-" if s.tpot_s is None else f"{s.tpot_s.p50 * 1000:.0f}"
     log(f"{system} at {rate:g} req/s: SLO attainment {s.slo_attainment:.1%}, "
-        f"TTFT p50 {ttft} s, TPOT p50 {tpot} ms, {s.duration_s:.0f} s")
+        f"TTFT p50 {ttft} s, TPOT p50 {tpot} ms, {s.duration_s:.0f} s{describe_routes(run.records)}")
     return run
 
 

@@ -32,6 +32,9 @@ class RequestRecord:
     # gRPC status code name ("UNAVAILABLE", ...) or "HTTP_503" / an exception name; None: ok.
     error: str | None = None
     error_message: str = ""
+    # Where the server ran it, when it says (pdserve's trailing metadata: "pdserve-prefill"
+    # local/remote/moved and the workers' addresses, without the "pdserve-" prefix).
+    route: dict[str, str] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:

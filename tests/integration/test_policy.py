@@ -33,6 +33,14 @@ def call(stack, req: generation_pb2.GenerateRequest, timeout_s: float = 300):
         return list(stack.stub(channel).Generate(req, timeout=timeout_s))
 
 
+def call_routed(stack, req: generation_pb2.GenerateRequest, timeout_s: float = 300):
+    """The replies and where the gateway says the call ran (its pdserve-* trailers)."""
+    with stack.channel() as channel:
+        responses = stack.stub(channel).Generate(req, timeout=timeout_s)
+        replies = list(responses)
+        return replies, {k: v for k, v in responses.trailing_metadata() if k.startswith("pdserve-")}
+
+
 def prefill_order(stack, request_ids: set[str]) -> list[str]:
     """The order the prefill worker received these requests in, from its log."""
     order = []
@@ -140,9 +148,15 @@ def test_a_short_prompt_is_placed_on_the_decode_worker_and_a_long_one_on_the_pre
     local_before = stack.metric(0, "pdserve_placements_total", 'where="local"', default=0.0)
     remote_before = stack.metric(0, "pdserve_placements_total", 'where="remote"', default=0.0)
     handoff_before = stack.metric(0, "pdserve_kv_handoff_tokens_total", default=0.0)
-    short = call(stack, request(prompts(40, 40), "place-short", max_tokens=4))
-    long = call(stack, request(prompts(41, 900), "place-long", max_tokens=4))
+    short, short_route = call_routed(stack, request(prompts(40, 40), "place-short", max_tokens=4))
+    long, long_route = call_routed(stack, request(prompts(41, 900), "place-long", max_tokens=4))
     assert [r.usage.completion_tokens for r in (short[-1], long[-1])] == [4, 4]
+    # The caller is told where each ran: one decode worker, the long one via the prefill tier.
+    assert short_route.keys() == {"pdserve-prefill", "pdserve-decode-worker"}
+    assert short_route["pdserve-prefill"] == "local"
+    assert long_route["pdserve-prefill"] == "remote"
+    assert long_route["pdserve-decode-worker"] == short_route["pdserve-decode-worker"]
+    assert long_route["pdserve-prefill-worker"] != long_route["pdserve-decode-worker"]
     assert stack.metric(0, "pdserve_placements_total", 'where="local"') - local_before == 1
     assert stack.metric(0, "pdserve_placements_total", 'where="remote"') - remote_before == 1
     assert prefill_order(stack, {"place-short", "place-long"}) == ["place-long"]
@@ -171,13 +185,14 @@ def test_a_short_prompt_stalled_on_the_prefill_tier_is_moved_to_the_decode_worke
             p.suspend()
         try:
             started = time.monotonic()
-            replies = call(stack, short, timeout_s=60)
+            replies, route = call_routed(stack, short, timeout_s=60)
             elapsed = time.monotonic() - started
         finally:
             for p in engine:
                 p.resume()
         assert running.result()[-1].usage.completion_tokens == 300
     assert replies[-1].usage.completion_tokens == 4
+    assert route["pdserve-prefill"] == "moved"
     assert elapsed < 30, elapsed
     assert prefill_order(stack, {"stall-short"}) == ["stall-short"]  # sent there first
     assert stack.metric(0, "pdserve_prefills_moved_total") - moved_before == 1

@@ -59,6 +59,8 @@ class FakeGeneration(generation_pb2_grpc.GenerationServicer):
                 request_id=request.request_id, finish_reason="length",
                 usage=generation_pb2.Usage(prompt_tokens=len(request.token_ids),
                                            completion_tokens=len(ids)))
+            context.set_trailing_metadata((("pdserve-prefill", "remote"), ("other", "x"),
+                                           ("pdserve-decode-worker", "127.0.0.1:1")))
         finally:
             self.in_flight -= 1
 
@@ -94,6 +96,8 @@ def test_grpc_backend_records_chunks_usage_and_timing():
     assert record.ttft_s >= FIRST_DELAY_S
     assert record.e2e_s >= FIRST_DELAY_S + 2 * TOKEN_DELAY_S
     assert len(record.itls_s()) == 3  # one per token after the first chunk
+    # The server's trailing metadata about where it ran, its own keys only.
+    assert record.route == {"prefill": "remote", "decode-worker": "127.0.0.1:1"}
 
 
 def test_grpc_backend_sends_token_ids_and_sampling():

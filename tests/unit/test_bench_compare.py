@@ -16,6 +16,7 @@ from pdserve.bench.compare import (
     CompareResult,
     SearchPlan,
     SystemResult,
+    describe_routes,
     extra_rates,
     rate_content_seed,
 )
@@ -263,3 +264,13 @@ def test_measured_requests_carry_the_slos_the_unloaded_run_set(tmp_path, fake_pd
     assert {(r.slo.ttft_ms, r.slo.tpot_ms) for r in measured} == \
         {(max(1, round(slo.ttft_s * 1000)), max(1, round(slo.tpot_s * 1000)))}
     assert not any(r.HasField("slo") for r in received[:3])  # none known yet
+
+
+def test_the_measure_log_counts_where_pdserve_says_it_prefilled():
+    def record(i: int, route: dict[str, str]) -> RequestRecord:
+        return RequestRecord(f"r{i}", "default", 0, 10, 10, 0.0, route=route)
+
+    records = [record(0, {"prefill": "local", "decode-worker": "a"}), record(1, {"prefill": "remote"}),
+               record(2, {"prefill": "local"}), record(3, {}), record(4, {"prefill": "moved"})]
+    assert describe_routes(records) == ", prefill local 2 / moved 1 / remote 1"
+    assert describe_routes([record(0, {}), record(1, {})]) == ""  # vLLM says nothing

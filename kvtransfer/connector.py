@@ -59,6 +59,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvtransfer import metrics
+from kvtransfer.coreshare import StepYield
 from kvtransfer.layout import REQUIRED_KV_CACHE_LAYOUT, KVHandle, KVLayout, expected_layout
 from kvtransfer.transport import KVTransferError, KVTransport, transport_class
 
@@ -152,6 +153,10 @@ class PdConnector(KVConnectorBase_V1):
         # Producer requests whose blocks stay held under a lease: id -> location.
         self._held: dict[str, str] = {}
         self._held_finished: set[str] = set()
+        # A decode engine sharing its cores with a prefill engine yields it a slice per step
+        # while that has prompts in hand (kvtransfer.coreshare; off unless configured).
+        self._step_yield = (None if self._kv_transfer_config.is_kv_producer
+                            or role != KVConnectorRole.WORKER else StepYield.from_env())
 
     # ==============================
     # Scheduler half
@@ -311,6 +316,8 @@ class PdConnector(KVConnectorBase_V1):
         return transport
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        if self._step_yield is not None:
+            self._step_yield.pause()
         meta = self._get_connector_metadata()
         assert isinstance(meta, PdConnectorMetadata)
         for load in meta.loads:

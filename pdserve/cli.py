@@ -195,6 +195,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-sched", choices=("idle", "normal"), default="idle",
                    help="with --cores shared: the prefill engine's CPU priority (normal: the two engines' "
                         "threads compete for the cores as equals)")
+    p.add_argument("--decode-yield-ms", type=float, default=0.0,
+                   help="with --cores shared: the decode engine sleeps this long at each step while the "
+                        "prefill worker has prompts in hand, so that the idle-priority prefill engine gets "
+                        "the cores for that slice (0: never)")
     p.add_argument("--json-logs", action="store_true")
     _policy_args(p)
     p.set_defaults(func=cmd_up)

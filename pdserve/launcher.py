@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import psutil
 
+from kvtransfer import coreshare
 from pdserve import gpus
 from pdserve.segments import SegmentTracker
 
@@ -155,6 +156,7 @@ def core_split(mode: str = "split") -> tuple[str | None, str | None]:
 class Stack:
     children: list[Child]
     gateway_address: str
+    core_share_file: str | None = None  # kvtransfer.coreshare's word, when a yield is set
 
     def start(self) -> None:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -237,6 +239,9 @@ class Stack:
         sweep_orphan_metrics_dirs()
         for child in self.children:
             child.sweep_segments()
+        if self.core_share_file is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.core_share_file)
 
 
 def _reap_group(child: Child) -> None:
@@ -275,13 +280,16 @@ def build_stack(args) -> Stack:
                                   "--kv-transport", args.kv_transport, *metrics(0), *policy_argv(args),
                                   *(["--json-logs"] if args.json_logs else [])])]
     on_gpus = gpus.assign(gpus.visible_gpus(), args.prefill, args.decode)
+    core_share_env = {}
+    if args.cores == "shared" and getattr(args, "decode_yield_ms", 0) > 0:
+        core_share_env = {coreshare.ENV_FILE: core_share_path(), coreshare.ENV_YIELD_MS: str(args.decode_yield_ms)}
     for role, count, cpus, offset in (("prefill", args.prefill, prefill_cpus, 1),
                                       ("decode", args.decode, decode_cpus, 1 + args.prefill)):
         for i in range(count):
             name = role if count == 1 else f"{role}{i}"
             # A fixed port, so a restarted worker comes back at the address the gateway knows.
             argv = [*py, role, "--port", str(free_port()), *common, *metrics(offset + i)]
-            env = {}
+            env = dict(core_share_env) if on_gpus is None else {}
             if on_gpus is not None:
                 gpu = on_gpus[role == "decode"][i]
                 env["CUDA_VISIBLE_DEVICES"] = gpu.cuda_visible_devices
@@ -291,7 +299,13 @@ def build_stack(args) -> Stack:
                 if role == "prefill" and args.cores == "shared":
                     argv += ["--sched", args.prefill_sched]
             children.append(Child(name, argv, restart=True, env_overrides=env))
-    return Stack(children, gateway_address)
+    return Stack(children, gateway_address, core_share_env.get(coreshare.ENV_FILE))
+
+
+def core_share_path() -> str:
+    """The shared-memory word through which this stack's prefill worker tells its decode
+    engine it has work (kvtransfer.coreshare); removed when the stack stops."""
+    return f"/dev/shm/pdserve-cores-{os.getpid()}"
 
 
 def up(args) -> int:

@@ -14,6 +14,7 @@ import logging
 import uuid
 
 from kvtransfer.connector import HANDLE_KEY, SAVE_KEY
+from kvtransfer.coreshare import PrefillBusy
 from kvtransfer.layout import KVHandle
 from kvtransfer.transport import transport_class
 from pdserve.config import WorkerConfig
@@ -32,6 +33,8 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         self._cfg = cfg
         self._info = worker_info(engine, cfg)
         self._kv_extra = kv_extra_config(cfg)
+        # Tells a decode engine on these cores when prefill has work (kvtransfer.coreshare).
+        self._busy = PrefillBusy.from_env()
 
     @rpc_errors
     async def Prefill(self, request: worker_pb2.PrefillRequest, context) -> worker_pb2.PrefillResponse:
@@ -47,10 +50,16 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         # The order the engine receives prompts in is the order the gateway chose.
         logger.info("prefill %s: %d prompt tokens", request_id, len(token_ids))
         first_token_id: int | None = None
-        async for out in self._engine.generate(TokensPrompt(prompt_token_ids=token_ids), params, request_id):
-            if out.outputs[0].token_ids:
-                first_token_id = out.outputs[0].token_ids[0]
-            final = out
+        if self._busy is not None:
+            self._busy.enter()
+        try:
+            async for out in self._engine.generate(TokensPrompt(prompt_token_ids=token_ids), params, request_id):
+                if out.outputs[0].token_ids:
+                    first_token_id = out.outputs[0].token_ids[0]
+                final = out
+        finally:
+            if self._busy is not None:
+                self._busy.leave()
         assert final.finished and first_token_id is not None
         handle = (final.kv_transfer_params or {}).get(HANDLE_KEY)
         finish_reason = _finish_reason(final.outputs[0].finish_reason, request, len(token_ids), self._info)

@@ -7,8 +7,9 @@
 #
 # Candidates: `split` (half the cores each, today's old default), `shared` (both engines on
 # every core, prefill at idle CPU priority: the default) and `shared-normal` (both on every
-# core at normal priority: what OpenMP threads do when another engine takes their core).
-# CANDIDATES="shared split" picks some.
+# core at normal priority: what OpenMP threads do when another engine takes their core);
+# `shared-yieldN` is `shared` with the decode engine yielding N ms per step while prefill
+# has work (--decode-yield-ms N). CANDIDATES="shared split shared-yield15" picks some.
 # SLOs: --slo-ttft-s/--slo-tpot-s from the environment (SLO_TTFT_S, SLO_TPOT_S), default
 # 15 s / 0.075 s. Writes OUT_DIR/<candidate>.json (`pdserve bench run --json`).
 set -euo pipefail
@@ -38,16 +39,17 @@ for candidate in ${CANDIDATES:-shared split shared-normal}; do
     shared) run_candidate shared --cores shared ;;
     split) run_candidate split --cores split ;;
     shared-normal) run_candidate shared-normal --cores shared --prefill-sched normal ;;
+    shared-yield*) run_candidate "$candidate" --cores shared --decode-yield-ms "${candidate#shared-yield}" ;;
     *) echo "[cores] unknown candidate $candidate" >&2; exit 2 ;;
   esac
 done
 $py - "$out" <<'PY'
 import json, sys, pathlib
 out = pathlib.Path(sys.argv[1])
-print(f"{'candidate':<10}{'attain':>8}{'ttft p50':>10}{'ttft p90':>10}{'tpot p50':>10}{'tpot p90':>10}{'tok/s':>8}")
-for f in sorted(out.glob("*.json")):
+print(f"{'candidate':<16}{'attain':>8}{'ttft p50':>10}{'ttft p90':>10}{'tpot p50':>10}{'tpot p90':>10}{'tok/s':>8}")
+for f in sorted(out.glob("*.json"), key=lambda f: f.stat().st_mtime):
     s = json.loads(f.read_text())["runs"][0]["summary"]
     q = lambda k, p: (s[k] or {}).get(p) or float("nan")
-    print(f"{f.stem:<10}{s['slo_attainment']:>8.2f}{q('ttft_s','p50'):>10.2f}{q('ttft_s','p90'):>10.2f}"
+    print(f"{f.stem:<16}{s['slo_attainment']:>8.2f}{q('ttft_s','p50'):>10.2f}{q('ttft_s','p90'):>10.2f}"
           f"{q('tpot_s','p50')*1000:>9.0f}m{q('tpot_s','p90')*1000:>9.0f}m{s['output_tok_s']:>8.1f}")
 PY

@@ -164,3 +164,21 @@ def test_a_dead_child_is_restarted_when_stderr_is_gone(monkeypatch):
     stack.supervise(100.5)  # reports the exit (to nowhere) and schedules the restart
     stack.supervise(101.6)
     assert len(starts) == 1
+
+
+def test_a_decode_yield_gives_both_workers_one_core_share_word(monkeypatch):
+    from kvtransfer import coreshare
+
+    monkeypatch.setattr(launcher, "gpus", SimpleNamespace(visible_gpus=lambda: [], assign=lambda *a: None))
+    stack = build_stack(up_args(argv=["--decode-yield-ms", "15"]))
+    envs = {c.name: c.env_overrides for c in stack.children}
+    word = launcher.core_share_path()
+    assert stack.core_share_file == word
+    for name in ("prefill", "decode"):
+        assert envs[name] == {coreshare.ENV_FILE: word, coreshare.ENV_YIELD_MS: "15.0"}
+    assert coreshare.ENV_FILE not in envs["gateway"]
+    # Off by default, and meaningless with a core each.
+    for argv in ([], ["--cores", "split", "--decode-yield-ms", "15"]):
+        stack = build_stack(up_args(argv=argv))
+        assert stack.core_share_file is None
+        assert all(coreshare.ENV_FILE not in c.env_overrides for c in stack.children)

@@ -4,19 +4,21 @@ With `pdserve up --cores shared` the prefill engine runs at idle priority, so a 
 engine that never idles keeps it off the cores: under steady decode load a long prompt
 waits for the gaps between decode steps (the long benchmark's TTFT misses, with decode's
 TPOT 20% inside its objective). With a yield set (`--decode-yield-ms`), the decode engine
-sleeps that long at the start of each step while the prefill worker has prompts in hand,
-and the prefill engine has both cores for that slice: decode's time per token grows by the
-slice only while prefill has work.
+sleeps that long at the start of each step while a prefill worker has prompts in hand, and
+the prefill engine has the cores for that slice: decode's time per token grows by the slice
+only while prefill has work.
 
-The prefill worker counts its prompts in hand in a shared-memory word (`PrefillBusy`); the
-decode engine's KV connector reads it each step (`StepYield`). Both find the word by the
-path in PDSERVE_CORE_SHARE_FILE, which `pdserve up` sets for the workers it starts and
-removes when it stops.
+Each prefill worker counts its prompts in hand in a shared-memory word of its own,
+``<base>.<pid>`` (`PrefillBusy`); the decode engine's KV connector sums the words each step
+(`StepYield`), looking for new ones once a second and dropping those whose process is gone,
+so a prefill worker killed with prompts in hand does not keep decode yielding. The base
+path is PDSERVE_CORE_SHARE_FILE, which `pdserve up` sets for the workers it starts; it
+removes the words when it stops (`remove_words`).
 """
 
 from __future__ import annotations
 
-import fcntl
+import glob
 import mmap
 import os
 import struct
@@ -24,84 +26,112 @@ import time
 
 ENV_FILE = "PDSERVE_CORE_SHARE_FILE"
 ENV_YIELD_MS = "PDSERVE_DECODE_YIELD_MS"
+RESCAN_S = 1.0
 _WORD = struct.Struct("<q")
 
 
-def _map(path: str, create: bool) -> tuple[int, mmap.mmap]:
-    fd = os.open(path, os.O_RDWR | (os.O_CREAT if create else 0), 0o600)
+def _map(path: str, create: bool) -> mmap.mmap:
+    fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_TRUNC if create else 0), 0o600)
     try:
         if create:
-            with _locked(fd):
-                if os.fstat(fd).st_size < _WORD.size:
-                    os.ftruncate(fd, _WORD.size)
-        return fd, mmap.mmap(fd, _WORD.size)
-    except BaseException:
-        os.close(fd)
-        raise
+            os.ftruncate(fd, _WORD.size)
+        return mmap.mmap(fd, _WORD.size)
+    finally:
+        os.close(fd)  # the mapping stays
 
 
-class _locked:
-    def __init__(self, fd: int) -> None:
-        self._fd = fd
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
-    def __enter__(self) -> None:
-        fcntl.flock(self._fd, fcntl.LOCK_EX)
 
-    def __exit__(self, *exc: object) -> None:
-        fcntl.flock(self._fd, fcntl.LOCK_UN)
+def remove_words(base: str) -> None:
+    for path in glob.glob(f"{glob.escape(base)}.*"):
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
 
 
 class PrefillBusy:
-    """The prefill side: how many prompts this host's prefill workers have in hand."""
+    """A prefill worker's count of prompts in hand, in its own word (one process writes it)."""
 
-    def __init__(self, path: str) -> None:
-        self._fd, self._map = _map(path, create=True)
+    def __init__(self, base: str) -> None:
+        self.path = f"{base}.{os.getpid()}"
+        self._map = _map(self.path, create=True)
+        self._count = 0
 
     @classmethod
     def from_env(cls) -> PrefillBusy | None:
-        path = os.environ.get(ENV_FILE)
-        return cls(path) if path else None
+        base = os.environ.get(ENV_FILE)
+        return cls(base) if base else None
 
-    def _add(self, delta: int) -> None:
-        with _locked(self._fd):  # several prefill workers may share the word
-            (count,) = _WORD.unpack_from(self._map)
-            _WORD.pack_into(self._map, 0, max(count + delta, 0))
+    def _set(self, count: int) -> None:
+        self._count = max(count, 0)
+        _WORD.pack_into(self._map, 0, self._count)
 
     def enter(self) -> None:
-        self._add(1)
+        self._set(self._count + 1)
 
     def leave(self) -> None:
-        self._add(-1)
+        self._set(self._count - 1)
 
     def close(self) -> None:
         self._map.close()
-        os.close(self._fd)
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
 
 
 class StepYield:
-    """The decode side: ``pause()`` at each step sleeps ``yield_s`` while prefill has work."""
+    """The decode side: ``pause()`` at each step sleeps ``yield_s`` while any prefill
+    worker on these cores has prompts in hand."""
 
-    def __init__(self, path: str, yield_s: float, sleep=time.sleep) -> None:
-        self._path = path
+    def __init__(self, base: str, yield_s: float, sleep=time.sleep, clock=time.monotonic) -> None:
+        self._base = base
         self.yield_s = yield_s
         self._sleep = sleep
-        self._map: mmap.mmap | None = None
+        self._clock = clock
+        self._words: dict[str, tuple[int, mmap.mmap]] = {}  # path -> (pid, word)
+        self._scanned_s = float("-inf")
 
     @classmethod
     def from_env(cls) -> StepYield | None:
-        path, ms = os.environ.get(ENV_FILE), os.environ.get(ENV_YIELD_MS)
-        if not path or not ms or float(ms) <= 0:
+        base, ms = os.environ.get(ENV_FILE), os.environ.get(ENV_YIELD_MS)
+        if not base or not ms or float(ms) <= 0:
             return None
-        return cls(path, float(ms) / 1000)
+        return cls(base, float(ms) / 1000)
+
+    def _rescan(self) -> None:
+        present = set()
+        for path in glob.glob(f"{glob.escape(self._base)}.*"):
+            suffix = path.rsplit(".", 1)[1]
+            if not suffix.isdigit():
+                continue
+            present.add(path)
+            if path not in self._words:
+                try:
+                    self._words[path] = (int(suffix), _map(path, create=False))
+                except (FileNotFoundError, ValueError):  # gone, or not yet sized
+                    present.discard(path)
+        for path in list(self._words):
+            pid, word = self._words[path]
+            if path not in present or not _pid_alive(pid):
+                word.close()
+                del self._words[path]
 
     def prefill_busy(self) -> int:
-        if self._map is None:
-            try:  # the prefill worker creates the word; until then nothing is in hand
-                fd, self._map = _map(self._path, create=False)
-            except FileNotFoundError:
-                return 0
-            os.close(fd)
-        return _WORD.unpack_from(self._map)[0]
+        now = self._clock()
+        if now - self._scanned_s >= RESCAN_S:
+            self._scanned_s = now
+            self._rescan()
+        return sum(_WORD.unpack_from(word)[0] for _, word in self._words.values())
 
     def pause(self) -> bool:
         """Sleeps the slice if prefill has prompts in hand; whether it did."""

@@ -156,7 +156,7 @@ def core_split(mode: str = "split") -> tuple[str | None, str | None]:
 class Stack:
     children: list[Child]
     gateway_address: str
-    core_share_file: str | None = None  # kvtransfer.coreshare's word, when a yield is set
+    core_share_file: str | None = None  # kvtransfer.coreshare's base path, when a yield is set
 
     def start(self) -> None:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -240,8 +240,7 @@ class Stack:
         for child in self.children:
             child.sweep_segments()
         if self.core_share_file is not None:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.core_share_file)
+            coreshare.remove_words(self.core_share_file)
 
 
 def _reap_group(child: Child) -> None:
@@ -303,8 +302,8 @@ def build_stack(args) -> Stack:
 
 
 def core_share_path() -> str:
-    """The shared-memory word through which this stack's prefill worker tells its decode
-    engine it has work (kvtransfer.coreshare); removed when the stack stops."""
+    """Where this stack's prefill workers tell its decode engine they have work: the base
+    path of their shared-memory words (kvtransfer.coreshare); removed when the stack stops."""
     return f"/dev/shm/pdserve-cores-{os.getpid()}"
 
 

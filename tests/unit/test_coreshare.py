@@ -1,61 +1,90 @@
-"""kvtransfer.coreshare: the prefill workers' count of prompts in hand, and the decode
-engine's yield that reads it (in one process here; the word is a real /dev/shm file)."""
+"""kvtransfer.coreshare: the prefill workers' counts of prompts in hand, and the decode
+engine's yield that sums them (real /dev/shm words; other workers as child processes)."""
 
 from __future__ import annotations
 
+import glob
 import os
+import subprocess
+import sys
 import uuid
 
 import pytest
 
-from kvtransfer.coreshare import ENV_FILE, ENV_YIELD_MS, PrefillBusy, StepYield
+from kvtransfer.coreshare import ENV_FILE, ENV_YIELD_MS, PrefillBusy, StepYield, remove_words
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
 
 
 @pytest.fixture
-def word():
+def base():
     path = f"/dev/shm/pdserve-test-cores-{uuid.uuid4().hex}"
     yield path
-    if os.path.exists(path):
-        os.unlink(path)
+    remove_words(path)
+    assert not glob.glob(path + "*")
 
 
-def test_decode_yields_only_while_prefill_has_prompts_in_hand(word):
-    slept = []
-    decode = StepYield(word, 0.015, sleep=slept.append)
+def test_decode_yields_only_while_prefill_has_prompts_in_hand(base):
+    slept, clock = [], Clock()
+    decode = StepYield(base, 0.015, sleep=slept.append, clock=clock)
     assert decode.pause() is False  # no prefill worker yet: no word, nothing in hand
-    one, two = PrefillBusy(word), PrefillBusy(word)  # two prefill workers on these cores
-    assert decode.pause() is False
-    one.enter()
-    two.enter()
-    one.enter()
-    assert decode.prefill_busy() == 3
+    busy = PrefillBusy(base)
+    assert decode.pause() is False  # not seen until the next scan, and empty anyway
+    busy.enter()
+    busy.enter()
+    assert decode.prefill_busy() == 0  # a second has not passed: the word is not known yet
+    clock.now = 1.0
+    assert decode.prefill_busy() == 2 and decode.pause() is True
+    busy.leave()
     assert decode.pause() is True
-    one.leave()
-    one.leave()
-    assert decode.prefill_busy() == 1 and decode.pause() is True
-    two.leave()
+    busy.leave()
+    busy.leave()  # never below zero
     assert decode.prefill_busy() == 0 and decode.pause() is False
     assert slept == [0.015, 0.015]
-    one.close()
-    two.close()
-
-
-def test_the_count_never_goes_below_zero(word):
-    busy = PrefillBusy(word)
-    busy.leave()
-    busy.enter()
-    assert StepYield(word, 0.01).prefill_busy() == 1
     busy.close()
+    assert not os.path.exists(busy.path)
 
 
-def test_from_env_needs_both_the_word_and_a_positive_yield(word, monkeypatch):
+def test_words_of_several_workers_add_up_and_a_dead_one_stops_counting(base):
+    """Another prefill worker (a child process) holds 3 prompts and is killed holding them:
+    decode stops counting them at the next scan."""
+    clock = Clock()
+    decode = StepYield(base, 0.01, sleep=lambda s: None, clock=clock)
+    mine = PrefillBusy(base)
+    mine.enter()
+    other = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from kvtransfer.coreshare import PrefillBusy\n"
+         f"b = PrefillBusy({base!r}); [b.enter() for _ in range(3)]; print('ready', flush=True); time.sleep(60)"],
+        stdout=subprocess.PIPE, text=True, cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    try:
+        assert other.stdout.readline().strip() == "ready"
+        clock.now = 1.0
+        assert decode.prefill_busy() == 4
+        other.kill()
+        other.wait()
+        assert decode.prefill_busy() == 4  # until the next scan
+        clock.now = 2.0
+        assert decode.prefill_busy() == 1
+    finally:
+        other.kill()
+        other.wait()
+        mine.close()
+
+
+def test_from_env_needs_both_the_base_and_a_positive_yield(base, monkeypatch):
     monkeypatch.delenv(ENV_FILE, raising=False)
     monkeypatch.setenv(ENV_YIELD_MS, "15")
     assert StepYield.from_env() is None and PrefillBusy.from_env() is None
-    monkeypatch.setenv(ENV_FILE, word)
+    monkeypatch.setenv(ENV_FILE, base)
     assert StepYield.from_env().yield_s == pytest.approx(0.015)
     monkeypatch.setenv(ENV_YIELD_MS, "0")
     assert StepYield.from_env() is None
     busy = PrefillBusy.from_env()
-    assert busy is not None and os.path.getsize(word) == 8
+    assert busy is not None and os.path.getsize(f"{base}.{os.getpid()}") == 8
     busy.close()

@@ -229,6 +229,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 token_ids=prompt_ids,
                 sampling=job.sampling.to_engine(job.sampling.max_tokens),
                 kv_transport=kv_transport,
+                # Offline prompts must not slow the decoding of others (kvtransfer.coreshare).
+                yield_decode=ticket.priority is not Priority.OFFLINE,
             )
         )
         answer = asyncio.ensure_future(call)

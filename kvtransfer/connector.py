@@ -316,8 +316,8 @@ class PdConnector(KVConnectorBase_V1):
         return transport
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        if self._step_yield is not None:
-            self._step_yield.pause()
+        if self._step_yield is not None and self._step_yield.pause():
+            metrics.DECODE_YIELD_SECONDS.inc(self._step_yield.yield_s)
         meta = self._get_connector_metadata()
         assert isinstance(meta, PdConnectorMetadata)
         for load in meta.loads:

@@ -37,6 +37,12 @@ LEASES_OUTSTANDING = Gauge(
     multiprocess_mode="livesum",
 )
 
+DECODE_YIELD_SECONDS = Counter(
+    "pdserve_decode_yield_seconds",
+    "Seconds a decode engine slept at the start of its steps so that a prefill engine on the "
+    "same cores could run (pdserve up --decode-yield-ms).",
+)
+
 
 def record_transfer(transport: str, direction: str, num_tokens: int, nbytes: int, seconds: float) -> None:
     TRANSFER_BYTES.labels(transport, direction).inc(nbytes)

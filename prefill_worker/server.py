@@ -33,7 +33,8 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         self._cfg = cfg
         self._info = worker_info(engine, cfg)
         self._kv_extra = kv_extra_config(cfg)
-        # Tells a decode engine on these cores when prefill has work (kvtransfer.coreshare).
+        # Tells a decode engine on these cores when prefill has work it may yield to
+        # (kvtransfer.coreshare; PrefillRequest.yield_decode).
         self._busy = PrefillBusy.from_env()
 
     @rpc_errors
@@ -50,7 +51,8 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         # The order the engine receives prompts in is the order the gateway chose.
         logger.info("prefill %s: %d prompt tokens", request_id, len(token_ids))
         first_token_id: int | None = None
-        if self._busy is not None:
+        yielded = self._busy is not None and request.yield_decode
+        if yielded:
             self._busy.enter()
         try:
             async for out in self._engine.generate(TokensPrompt(prompt_token_ids=token_ids), params, request_id):
@@ -58,7 +60,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
                     first_token_id = out.outputs[0].token_ids[0]
                 final = out
         finally:
-            if self._busy is not None:
+            if yielded:
                 self._busy.leave()
         assert final.finished and first_token_id is not None
         handle = (final.kv_transfer_params or {}).get(HANDLE_KEY)

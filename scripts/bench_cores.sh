@@ -23,13 +23,18 @@ port=$($py -c 'from pdserve.launcher import free_port; print(free_port())')
 run_candidate() {  # name, extra `pdserve up` flags...
   local name=$1; shift
   echo "[cores] $name: starting pdserve up $*" >&2
-  $py -m pdserve.cli up --port "$port" --metrics-port 0 "$@" > "bench-logs/cores-$name.log" 2>&1 &
+  local metrics
+  metrics=$($py -c 'from pdserve.launcher import free_port_block; print(free_port_block(3))')
+  $py -m pdserve.cli up --port "$port" --metrics-port "$metrics" "$@" > "bench-logs/cores-$name.log" 2>&1 &
   local up=$!
   trap 'kill -TERM $up 2>/dev/null; wait $up 2>/dev/null' EXIT
   for _ in $(seq 600); do grep -q '^pdserve ready' "bench-logs/cores-$name.log" && break; sleep 1; done
   grep -q '^pdserve ready' "bench-logs/cores-$name.log" || { echo "[cores] $name did not start" >&2; exit 1; }
   $py -m pdserve.cli bench run --target "127.0.0.1:$port" --workload "$workload" --rate "$rate" \
       --num-requests "$n" --slo-ttft-s "$ttft" --slo-tpot-s "$tpot" --json "$out/$name.json" >&2
+  # Decode's metrics (gateway +0, prefill +1, decode +2): how long it yielded to prefill.
+  echo "[cores] $name: decode yielded $(curl -s "127.0.0.1:$((metrics + 2))/metrics" \
+      | awk '/^pdserve_decode_yield_seconds_total/ {print $2}') s" >&2
   kill -TERM $up; wait $up || true
   trap - EXIT
 }

@@ -6,8 +6,10 @@
 # the rest (from --save-records), and the first 12 requests' timelines with where the
 # gateway says it prefilled each (its pdserve-prefill trailer).
 #
-# DROP_CACHES=1 (root) then drops the page cache, as another system's turn may evict the
-# libraries' pages (a cold start).
+# PRESSURE=1 then has another process take all but 512 MiB of the available memory for
+# 10 s (the kernel reclaims page cache, mapped libraries included). DROP_CACHES=1 (root)
+# then drops the page cache (unmapped pages only: a running process's
+# mapped libraries stay). Prints the stack's page faults and the CPU steal during the run.
 #
 #   flock /tmp/pdserve-cpu.lock scripts/bench_turn_start.sh [RATE] [IDLE_S] [N]
 set -euo pipefail
@@ -30,15 +32,32 @@ $PY -m pdserve.cli bench run --target "127.0.0.1:$PORT" --workload short --rate 
 echo "[turn-start] idle ${IDLE_S} s with both cores busy"
 for _ in 1 2; do $PY -c "while True: pass" & HOGS+=($!); done
 sleep "$IDLE_S"; kill "${HOGS[@]}"; HOGS=()
+if [[ "${PRESSURE:-0}" == 1 ]]; then  # another tenant takes all but 512 MiB of the memory for 10 s
+    $PY -c "
+import time
+avail = int(next(l for l in open('/proc/meminfo') if l.startswith('MemAvailable')).split()[1]) * 1024
+n = max(avail - (512 << 20), 0)
+b = bytearray(n)
+for i in range(0, n, 4096): b[i] = 1
+time.sleep(10)"
+    echo "[turn-start] memory pressure applied: the page cache now $(awk '/^Cached:/ {print $2, $3}' /proc/meminfo)"
+fi
 if [[ "${DROP_CACHES:-0}" == 1 ]]; then
     sync; echo 1 > /proc/sys/vm/drop_caches
     echo "[turn-start] page cache dropped: $(awk '/^Cached:/ {print $2, $3}' /proc/meminfo) cached"
 fi
+faults() {  # minor and major page faults of the stack (pdserve up and its descendants)
+    $PY -c "import psutil; p = psutil.Process($UP); f = [open(f'/proc/{q.pid}/stat').read().rsplit(')', 1)[1].split() for q in [p, *p.children(recursive=True)]]; print(sum(int(x[7]) for x in f), sum(int(x[9]) for x in f))"
+}
+steal() { awk '/^cpu / {print $9}' /proc/stat; }  # ticks (1/100 s) the hypervisor ran others
+read -r MIN_BEFORE MAJ_BEFORE <<< "$(faults)"; STEAL_BEFORE=$(steal)
 echo "[turn-start] placements before: $(placements)"
 $PY -m pdserve.cli bench run --target "127.0.0.1:$PORT" --workload short --rate "$RATE" --num-requests "$N" \
     --warmup 0 --seed 0 --max-model-len 4096 --slo-ttft-s "$SLO_TTFT_S" --slo-tpot-s "$SLO_TPOT_S" \
     --save-records --json "$OUT/run.json" 2>&1 | grep -A6 "^throughput"
 echo "[turn-start] placements after:  $(placements)"
+read -r MIN_AFTER MAJ_AFTER <<< "$(faults)"
+echo "[turn-start] during the run: page faults of the stack $((MIN_AFTER - MIN_BEFORE)) minor, $((MAJ_AFTER - MAJ_BEFORE)) major; CPU steal $(( $(steal) - STEAL_BEFORE )) ticks"
 $PY - "$OUT/run.json" <<'PY'
 import json, sys
 records = json.load(open(sys.argv[1]))["runs"][0]["records"]

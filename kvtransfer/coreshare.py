@@ -24,6 +24,8 @@ import os
 import struct
 import time
 
+import psutil
+
 ENV_FILE = "PDSERVE_CORE_SHARE_FILE"
 ENV_YIELD_MS = "PDSERVE_DECODE_YIELD_MS"
 RESCAN_S = 1.0
@@ -38,16 +40,6 @@ def _map(path: str, create: bool) -> mmap.mmap:
         return mmap.mmap(fd, _WORD.size)
     finally:
         os.close(fd)  # the mapping stays
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def remove_words(base: str) -> None:
@@ -122,7 +114,7 @@ class StepYield:
                     present.discard(path)
         for path in list(self._words):
             pid, word = self._words[path]
-            if path not in present or not _pid_alive(pid):
+            if path not in present or not psutil.pid_exists(pid):
                 word.close()
                 del self._words[path]
 

@@ -33,7 +33,7 @@ LIFE_POINTS = 64
 # refused at 0.373 req/s on a predicted 89-91 ms against 86.1 ms while the 35 served ran at
 # a TPOT p50 of 73 ms and p99 of 87 ms. The lowest quarter still refused them: in the next
 # short compare, 8 refused at 0.37-0.74 req/s "at best" 86-95 ms against 85 ms while the
-# requests sent within 4 s of them ran at 60-92 ms, 27 of 33 within the objective. So the
+# requests sent within 4 s of them ran at 60-92 ms, 26 of 29 within the objective. So the
 # best case is the luckiest recent request's ratio.
 BEST_CASE_QUANTILE = 0.0
 # A refusal's retry hint is clamped to this range (seconds).

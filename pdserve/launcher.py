@@ -279,8 +279,8 @@ def build_stack(args) -> Stack:
                                   "--kv-transport", args.kv_transport, *metrics(0), *policy_argv(args),
                                   *(["--json-logs"] if args.json_logs else [])])]
     on_gpus = gpus.assign(gpus.visible_gpus(), args.prefill, args.decode)
-    core_share_env = {}
-    if args.cores == "shared" and getattr(args, "decode_yield_ms", 0) > 0:
+    core_share_env = {}  # engines on GPUs share no cores
+    if on_gpus is None and args.cores == "shared" and args.decode_yield_ms > 0:
         core_share_env = {coreshare.ENV_FILE: core_share_path(), coreshare.ENV_YIELD_MS: str(args.decode_yield_ms)}
     for role, count, cpus, offset in (("prefill", args.prefill, prefill_cpus, 1),
                                       ("decode", args.decode, decode_cpus, 1 + args.prefill)):
@@ -288,7 +288,7 @@ def build_stack(args) -> Stack:
             name = role if count == 1 else f"{role}{i}"
             # A fixed port, so a restarted worker comes back at the address the gateway knows.
             argv = [*py, role, "--port", str(free_port()), *common, *metrics(offset + i)]
-            env = dict(core_share_env) if on_gpus is None else {}
+            env = dict(core_share_env)
             if on_gpus is not None:
                 gpu = on_gpus[role == "decode"][i]
                 env["CUDA_VISIBLE_DEVICES"] = gpu.cuda_visible_devices

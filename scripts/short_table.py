@@ -1,8 +1,9 @@
 """The table docs/benchmarks.md shows for a `pdserve bench compare --workload short|long
 --json --save-records` file (one request class): per system and rate, attainment, refusals, misses among the served
 (from each request's timeline against its SLOs), latencies and throughput, where pdserve
-prefilled the served prompts (its trailing metadata: local / remote / moved), and the order
-the systems took turns in.
+prefilled the served prompts (its trailing metadata: local / remote / moved), the order
+the systems took turns in, and for each TPOT refusal how the served requests sent within
+4 s of it fared against the TPOT objective.
 
     python scripts/short_table.py short.json
 """
@@ -48,3 +49,23 @@ print(f"\ngoodput: vllm {d['vllm']['goodput']['goodput_rps'] or d['vllm']['goodp
       f"ratio {r['goodput_rps']}; output tok/s ratio at {r['at_rate_rps']} req/s "
       f"{r['output_tok_s']}")
 print("turns: " + ", ".join(f"{n} {rate:g}" for n, rate in d["config"].get("measured_in_order", [])))
+
+print("\nTPOT refusals and the served requests sent within 4 s of each (TPOT ms):")
+met = near_all = 0
+for name in ("vllm", "pdserve"):
+    for run in d["detail"][name]:
+        records = run["records"]
+        for r in records:
+            if r["error"] != "RESOURCE_EXHAUSTED" or "time per output token" not in r["error_message"]:
+                continue
+            near = []
+            for q in records:
+                n = sum(c["num_tokens"] for c in q["chunks"])
+                if q["error"] or n < 2 or abs(q["send_s"] - r["send_s"]) > 4:
+                    continue
+                near.append((q["chunks"][-1]["time_s"] - q["chunks"][0]["time_s"]) / (n - 1))
+            met += sum(t <= tpot_slo for t in near)
+            near_all += len(near)
+            print(f"  {name} {run['rate_rps']:g} {r['request_id']}: "
+                  f"{' '.join(f'{t * 1000:.0f}' for t in near) or 'none'}")
+print(f"  {met} of {near_all} within the {tpot_slo * 1000:.1f} ms objective")

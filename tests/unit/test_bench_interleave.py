@@ -2,7 +2,6 @@
 fallback to one system at a time (servers and measurements faked)."""
 
 import dataclasses
-import time
 
 from tests.unit.conftest import fake_compare_config
 
@@ -31,34 +30,50 @@ def test_interleaved_compare_measures_the_systems_that_booted(tmp_path, fake_pds
     assert [name for name, _ in result.measured_in_order] == ["pdserve", "pdserve"]
 
 
-def test_interleaved_systems_take_turns_and_pdserve_follows_fifo_to_its_policy_rate(
-        monkeypatch):
-    """The turn order with measurements faked: each system's next rate in turn; pdserve
-    measures fifo's first interactive miss (2 req/s) and its search reuses it."""
+def alternate_on_fake_clock(monkeypatch, attainment, search, shares_s: dict[str, float]):
+    """`interleave.alternate` over one lane per system of ``shares_s`` (its share of the
+    budget, seconds) with measurements faked: ``attainment(system, rate)`` for every class,
+    each taking its estimate (40 / rate + 2 s) on a fake clock. Returns (result, lanes)."""
     import asyncio
     from types import SimpleNamespace
 
     from pdserve.bench import compare, interleave
-    from pdserve.bench.search import RateSearch, SearchConfig
+    from pdserve.bench.search import RateSearch
 
-    capacity = {"vllm": 3.0, "pdserve-fifo": 2.0, "pdserve": 3.0}  # meets below these
+    now = [1000.0]
 
     async def fake_measure(backend, bench, system, rate):
-        att = 1.0 if rate < capacity[system] else 0.5
+        now[0] += 40 / rate + 2.0
+        att = attainment(system, rate)
         summary = SimpleNamespace(slo_attainment=att,
                                   by_class={"interactive": SimpleNamespace(slo_attainment=att)})
         return SimpleNamespace(load=SimpleNamespace(rate_rps=rate), summary=summary)
 
     monkeypatch.setattr(interleave, "measure", fake_measure)
+    monkeypatch.setattr(interleave, "time", SimpleNamespace(monotonic=lambda: now[0]))
+    monkeypatch.setattr(compare, "time", SimpleNamespace(monotonic=lambda: now[0]))  # Budget
     out = compare.CompareResult()
-    search = SearchConfig(start_rps=1.0, floor_rps=0.5, factor=2.0, bisections=1,
-                          max_up_steps=2)
     lanes = []
-    for name in ("vllm", "pdserve-fifo", "pdserve"):
+    for name, share_s in shares_s.items():
         out.systems[name] = compare.SystemResult(name)
         lanes.append(interleave.Lane(out.systems[name], None, None, None, RateSearch(search),
-                                  compare.Budget(time.monotonic() + 1e6, 40, 1.0)))
+                                     compare.Budget(now[0] + share_s, 41, 1.0)))
     asyncio.run(interleave.alternate(lanes, out))
+    return out, lanes
+
+
+def test_interleaved_systems_take_turns_and_pdserve_follows_fifo_to_its_policy_rate(
+        monkeypatch):
+    """The turn order with measurements faked: each system's next rate in turn; pdserve
+    measures fifo's first interactive miss (2 req/s) and its search reuses it."""
+    from pdserve.bench.search import SearchConfig
+
+    capacity = {"vllm": 3.0, "pdserve-fifo": 2.0, "pdserve": 3.0}  # meets below these
+    search = SearchConfig(start_rps=1.0, floor_rps=0.5, factor=2.0, bisections=1,
+                          max_up_steps=2)
+    out, lanes = alternate_on_fake_clock(
+        monkeypatch, lambda system, rate: 1.0 if rate < capacity[system] else 0.5, search,
+        dict.fromkeys(("vllm", "pdserve-fifo", "pdserve"), 1e6))
     assert out.measured_in_order == [
         ("vllm", 1.0), ("pdserve-fifo", 1.0), ("pdserve", 1.0),
         ("vllm", 2.0), ("pdserve-fifo", 2.0), ("pdserve", 2.0),  # 2.0 is also fifo's miss
@@ -72,30 +87,11 @@ def test_interleaved_systems_take_turns_and_pdserve_follows_fifo_to_its_policy_r
 def test_interleaved_budget_share_stops_a_search_and_others_time_is_not_charged(monkeypatch):
     """On a fake clock: each measurement takes its estimate. vLLM's 70 s share holds 1 and
     2 req/s (42 + 22 s) but not 4 (12 s more), although pdserve's turns took 64 s between."""
-    import asyncio
-    from types import SimpleNamespace
+    from pdserve.bench.search import SearchConfig
 
-    from pdserve.bench import compare, interleave
-    from pdserve.bench.search import RateSearch, SearchConfig
-
-    now = [1000.0]
-
-    async def fake_measure(backend, bench, system, rate):
-        now[0] += 40 / rate + 2.0
-        summary = SimpleNamespace(slo_attainment=1.0, by_class={})
-        return SimpleNamespace(load=SimpleNamespace(rate_rps=rate), summary=summary)
-
-    monkeypatch.setattr(interleave, "measure", fake_measure)
-    monkeypatch.setattr(interleave, "time", SimpleNamespace(monotonic=lambda: now[0]))
-    monkeypatch.setattr(compare, "time", SimpleNamespace(monotonic=lambda: now[0]))  # Budget
-    out = compare.CompareResult()
     search = SearchConfig(start_rps=1.0, floor_rps=0.5, max_up_steps=3)
-    lanes = []
-    for name, share_s in (("vllm", 70.0), ("pdserve", 1e6)):
-        out.systems[name] = compare.SystemResult(name)
-        lanes.append(interleave.Lane(out.systems[name], None, None, None, RateSearch(search),
-                                  compare.Budget(now[0] + share_s, 41, 1.0)))
-    asyncio.run(interleave.alternate(lanes, out))
+    out, _ = alternate_on_fake_clock(monkeypatch, lambda system, rate: 1.0, search,
+                                     {"vllm": 70.0, "pdserve": 1e6})
     assert out.measured_in_order == [("vllm", 1.0), ("pdserve", 1.0), ("vllm", 2.0),
                                      ("pdserve", 2.0), ("pdserve", 4.0), ("pdserve", 8.0)]
     assert out.systems["vllm"].stopped_by_budget and not out.systems["pdserve"].stopped_by_budget
@@ -106,33 +102,13 @@ def test_interleaved_policy_rate_out_of_time_is_skipped_and_the_search_goes_on(m
     """fifo misses at 1 and at its floor 0.5 req/s; pdserve's share has no room for 0.5 (82
     s on the fake clock) after its own 1.0, so it skips that policy rate and still climbs
     from the 1.0 it measured as fifo's first miss."""
-    import asyncio
-    from types import SimpleNamespace
+    from pdserve.bench.search import SearchConfig
 
-    from pdserve.bench import compare, interleave
-    from pdserve.bench.search import RateSearch, SearchConfig
-
-    now = [1000.0]
     capacity = {"pdserve-fifo": 0.1, "pdserve": 10.0}
-
-    async def fake_measure(backend, bench, system, rate):
-        now[0] += 40 / rate + 2.0
-        att = 1.0 if rate < capacity[system] else 0.5
-        summary = SimpleNamespace(slo_attainment=att,
-                                  by_class={"interactive": SimpleNamespace(slo_attainment=att)})
-        return SimpleNamespace(load=SimpleNamespace(rate_rps=rate), summary=summary)
-
-    monkeypatch.setattr(interleave, "measure", fake_measure)
-    monkeypatch.setattr(interleave, "time", SimpleNamespace(monotonic=lambda: now[0]))
-    monkeypatch.setattr(compare, "time", SimpleNamespace(monotonic=lambda: now[0]))
-    out = compare.CompareResult()
     search = SearchConfig(start_rps=1.0, floor_rps=0.5, max_up_steps=2)
-    lanes = []
-    for name, share_s in (("pdserve-fifo", 1e6), ("pdserve", 100.0)):
-        out.systems[name] = compare.SystemResult(name)
-        lanes.append(interleave.Lane(out.systems[name], None, None, None, RateSearch(search),
-                                     compare.Budget(now[0] + share_s, 41, 1.0)))
-    asyncio.run(interleave.alternate(lanes, out))
+    out, _ = alternate_on_fake_clock(
+        monkeypatch, lambda system, rate: 1.0 if rate < capacity[system] else 0.5, search,
+        {"pdserve-fifo": 1e6, "pdserve": 100.0})
     assert out.measured_in_order == [("pdserve-fifo", 1.0), ("pdserve", 1.0),
                                      ("pdserve-fifo", 0.5), ("pdserve", 2.0), ("pdserve", 4.0)]
     pd = out.systems["pdserve"]

@@ -47,10 +47,18 @@ class Address:
 
     @classmethod
     def parse(cls, location: str, scheme: str) -> Address:
-        parts = urlsplit(location)
-        key = parts.path.removeprefix("/")
-        if parts.scheme != scheme or not parts.hostname or parts.port is None or not key:
-            raise ValueError(f"not a {scheme} KV location: {location!r}")
+        # The scheme is matched here, not by urlsplit: "cuda_ipc" is no URL scheme (RFC 3986
+        # allows no "_"), and urlsplit would return it as part of the path.
+        prefix = f"{scheme}://"
+        try:
+            if not location.startswith(prefix):
+                raise ValueError
+            parts = urlsplit("//" + location.removeprefix(prefix))
+            key = parts.path.removeprefix("/")
+            if not parts.hostname or parts.port is None or not key:
+                raise ValueError
+        except ValueError:
+            raise ValueError(f"not a {scheme} KV location: {location!r}") from None
         return cls(scheme, parts.hostname, parts.port, key)
 
 

@@ -22,6 +22,7 @@ from kvtransfer.bench import ProducerProcess, bitwise_equal, random_layers
 from kvtransfer.layout import KVHandle, KVLayout, LayoutMismatchError
 from kvtransfer.nccl import NcclTransport
 from kvtransfer.shm import share
+from kvtransfer.wire import Address
 from kvtransfer.transport import KVTransferError, KVTransport, choose_transport, transport_class
 
 LAYOUT = KVLayout(num_layers=3, block_size=4, num_kv_heads=2, entry_size=8, dtype="bfloat16")
@@ -209,6 +210,20 @@ def test_unreachable_producer_is_peer_error(net_pair: Pair) -> None:
     with pytest.raises(KVTransferError) as e:
         net_pair.fetch(handle, [0])
     assert e.value.reason == "peer"
+
+
+@pytest.mark.parametrize("scheme", ["tcp", "nccl", "cuda_ipc"])
+def test_location_round_trips_for_every_served_scheme(scheme: str) -> None:
+    # "cuda_ipc" is no URL scheme (no "_" allowed): urllib alone reads it as a path, which
+    # made every cuda_ipc handle unreadable (found on the first run on a GPU).
+    for host in ["127.0.0.1", "decode-0.pdserve", "[::1]"]:
+        location = f"{scheme}://{host}:4321/req-7"
+        address = Address.parse(location, scheme)
+        assert (address.host, address.port, address.key) == (host.strip("[]"), 4321, "req-7")
+    for wrong in [f"tcp-x://h:1/k", f"{scheme}://h/k", f"{scheme}://h:1/", f"{scheme}://h:x/k",
+                  f"{scheme}:/h:1/k"]:
+        with pytest.raises(ValueError, match=f"not a {scheme} KV location"):
+            Address.parse(wrong, scheme)
 
 
 def test_location_needs_a_fixed_port() -> None:

@@ -43,7 +43,8 @@ class Address:
     key: str
 
     def __str__(self) -> str:
-        return f"{self.scheme}://{self.host}:{self.port}/{self.key}"
+        host = f"[{self.host}]" if ":" in self.host else self.host  # an IPv6 literal
+        return f"{self.scheme}://{host}:{self.port}/{self.key}"
 
     @classmethod
     def parse(cls, location: str, scheme: str) -> Address:

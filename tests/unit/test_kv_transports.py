@@ -220,6 +220,7 @@ def test_location_round_trips_for_every_served_scheme(scheme: str) -> None:
         location = f"{scheme}://{host}:4321/req-7"
         address = Address.parse(location, scheme)
         assert (address.host, address.port, address.key) == (host.strip("[]"), 4321, "req-7")
+        assert str(address) == location
     for wrong in [f"tcp-x://h:1/k", f"{scheme}://h/k", f"{scheme}://h:1/", f"{scheme}://h:x/k",
                   f"{scheme}:/h:1/k"]:
         with pytest.raises(ValueError, match=f"not a {scheme} KV location"):

@@ -25,7 +25,7 @@ from pdserve.bench.compare import (Budget, CompareConfig, CompareResult, SystemR
                                    vllm_spec)
 from pdserve.bench.presets import class_weights
 from pdserve.bench.runner import BenchConfig, RunResult, make_backend, warm_up
-from pdserve.bench.search import RateSearch
+from pdserve.bench.search import RateSearch, loans_for
 from pdserve.bench.servers import ServerError, ServerProcess, free_port, tree_cpu_s
 
 # An idle system using more than this (cores, averaged over another's measurement) is
@@ -200,6 +200,28 @@ async def alternate(lanes: list[Lane], out: CompareResult) -> None:
         log(f"{lane.name} goodput: {describe_outcome(lane.result.search)}")
 
 
+def borrow(lane: Lane, lanes: list[Lane], rate: float) -> bool:
+    """A search going down takes the time its next rate needs from the others' shares
+    (`search.loans_for`); False when it is not going down or they cannot cover it."""
+    assert lane.search is not None and lane.budget is not None
+    lenders = [x for x in lanes if x is not lane and x.budget is not None]
+    if not lane.search.going_down or not lenders:
+        return False
+    needed_s = lane.budget.cost_s(rate) - lane.budget.left_s()
+    loans = loans_for(needed_s, [x.budget.left_s() for x in lenders])
+    if loans is None:
+        return False
+    for lender, loan in zip(lenders, loans, strict=True):
+        lender.budget.end_s -= loan
+    lane.budget.end_s += needed_s
+    log(f"{lane.name}: {rate:g} req/s would take about {lane.budget.cost_s(rate):.0f} s, more "
+        f"than its share has left; {needed_s:.0f} s taken from "
+        + ", ".join(f"{x.name}'s share ({loan:.0f} s)" for x, loan in zip(lenders, loans,
+                                                                             strict=True))
+        + ": a lower rate says more than a higher one")
+    return True
+
+
 async def take_turn(lane: Lane, lanes: list[Lane], out: CompareResult) -> bool:
     """Measures `lane`'s next rate (an extra rate first); False when it had nothing to do
     now (it is done, or waits for fifo's search to say whether it has a policy rate)."""
@@ -220,7 +242,7 @@ async def take_turn(lane: Lane, lanes: list[Lane], out: CompareResult) -> bool:
         waits = lane.name == "pdserve" and fifo is not None and not fifo.done
         lane.done = not waits
         return False
-    if not extras and not lane.budget.fits(rate):
+    if not extras and not lane.budget.fits(rate) and not borrow(lane, lanes, rate):
         log(f"{lane.name}: {rate:g} req/s would take about {lane.budget.cost_s(rate):.0f} s, "
             f"{lane.budget.left_s():.0f} s left of its share: search stopped")
         lane.result.stopped_by_budget = True

@@ -107,6 +107,12 @@ class RateSearch:
     def next_rate(self) -> float | None:
         return self._next
 
+    @property
+    def going_down(self) -> bool:
+        """Every rate so far missed: the next one steps toward the floor, and without it the
+        search ends with no value and no floor bound ("unbracketed")."""
+        return self._lo is None and self._hi is not None
+
     def record(self, rate_rps: float, attainment: float) -> None:
         assert rate_rps == self._next, f"measured {rate_rps}, the search asked for {self._next}"
         point = SweepPoint(rate_rps, attainment)
@@ -153,3 +159,22 @@ class RateSearch:
                       else SearchStatus.UNBRACKETED)
             return SearchOutcome(status, None, lo.rate_rps, ">=", None, points, 0)
         return SearchOutcome(SearchStatus.NOT_MEASURED, None, None, None, None, points, 0)
+
+
+def loans_for(needed_s: float, lenders_left_s: list[float]) -> list[float] | None:
+    """What each lender gives so that a search going down can measure its next rate.
+
+    In an interleaved compare each system has an equal share of the time. A system that
+    missed at its first rate needs a lower one to report anything at all, while a system
+    that met goes on refining upward; the downward step comes first: the others' unspent
+    shares lend ``needed_s`` (the measurement's cost beyond the borrower's own time left),
+    each in proportion to what it has left. None when all they have left would not cover it
+    (the search then stops, as before).
+    """
+    available = [max(left, 0.0) for left in lenders_left_s]
+    total = sum(available)
+    if needed_s <= 0:
+        return [0.0] * len(available)
+    if total < needed_s:
+        return None
+    return [needed_s * left / total for left in available]

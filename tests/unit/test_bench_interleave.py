@@ -3,6 +3,8 @@ fallback to one system at a time (servers and measurements faked)."""
 
 import dataclasses
 
+import pytest
+
 from tests.unit.conftest import fake_compare_config
 
 
@@ -96,6 +98,44 @@ def test_interleaved_budget_share_stops_a_search_and_others_time_is_not_charged(
                                      ("pdserve", 2.0), ("pdserve", 4.0), ("pdserve", 8.0)]
     assert out.systems["vllm"].stopped_by_budget and not out.systems["pdserve"].stopped_by_budget
     assert out.systems["pdserve"].search.status.value == "above_ceiling"
+
+
+def test_a_search_going_down_borrows_its_next_rate_from_the_others_shares(monkeypatch):
+    """pdserve misses at 1 req/s; its floor, 0.5 req/s, costs 82 s on the fake clock and
+    its 100 s share has 58 left: it takes the other 24 s from vLLM's unspent share (136 s
+    left then) and brackets its goodput, where it used to stop "unbracketed". vLLM, going
+    up, then has 112 s: enough for 4 req/s."""
+    from pdserve.bench.search import SearchConfig
+
+    capacity = {"vllm": 10.0, "pdserve": 0.75}
+    search = SearchConfig(start_rps=1.0, floor_rps=0.5, factor=2.0, bisections=0,
+                          max_up_steps=2)
+    out, lanes = alternate_on_fake_clock(
+        monkeypatch, lambda system, rate: 1.0 if rate < capacity[system] else 0.5, search,
+        {"vllm": 200.0, "pdserve": 100.0})
+    assert out.measured_in_order == [("vllm", 1.0), ("pdserve", 1.0), ("vllm", 2.0),
+                                     ("pdserve", 0.5), ("vllm", 4.0)]
+    pd = out.systems["pdserve"]
+    assert not pd.stopped_by_budget and pd.search.status.value == "found"
+    assert [p.rate_rps for p in pd.search.bracket] == [0.5, 1.0]
+    vllm_lane = next(lane for lane in lanes if lane.name == "vllm")
+    assert vllm_lane.budget.left_s() == pytest.approx(200 - 42 - 22 - 12 - 24)
+
+
+def test_a_search_going_down_stops_when_the_others_cannot_lend_enough(monkeypatch):
+    """As above, but vLLM's 60 s share has 18 s left after its 1 req/s (and no room for
+    its own 2 req/s, 22 s): pdserve's floor needs 24 s more than its share: both stop."""
+    from pdserve.bench.search import SearchConfig
+
+    capacity = {"vllm": 10.0, "pdserve": 0.75}
+    search = SearchConfig(start_rps=1.0, floor_rps=0.5, factor=2.0, bisections=0,
+                          max_up_steps=2)
+    out, _ = alternate_on_fake_clock(
+        monkeypatch, lambda system, rate: 1.0 if rate < capacity[system] else 0.5, search,
+        {"vllm": 60.0, "pdserve": 100.0})
+    assert out.measured_in_order == [("vllm", 1.0), ("pdserve", 1.0)]
+    assert out.systems["pdserve"].stopped_by_budget and out.systems["vllm"].stopped_by_budget
+    assert out.systems["pdserve"].search.status.value == "unbracketed"
 
 
 def test_interleaved_policy_rate_out_of_time_is_skipped_and_the_search_goes_on(monkeypatch):

@@ -115,3 +115,23 @@ def test_rounding_and_interpolation():
     assert interpolate(SweepPoint(1.0, 1.0), SweepPoint(2.0, 0.8), 0.9) == pytest.approx(1.5)
     with pytest.raises(AssertionError):
         interpolate(SweepPoint(1.0, 0.8), SweepPoint(2.0, 0.7), 0.9)
+
+
+def test_going_down_only_while_every_rate_missed():
+    from pdserve.bench.search import RateSearch, SearchConfig
+
+    search = RateSearch(SearchConfig(start_rps=1.0, floor_rps=0.25, factor=2.0))
+    assert not search.going_down  # nothing measured yet
+    search.record(1.0, 0.5)
+    assert search.going_down and search.next_rate() == 0.5
+    search.record(0.5, 0.95)
+    assert not search.going_down  # bracketed: the rest narrows it
+
+
+def test_loans_in_proportion_to_what_each_lender_has_left():
+    from pdserve.bench.search import loans_for
+
+    assert loans_for(30.0, [100.0, 50.0]) == [20.0, 10.0]
+    assert loans_for(30.0, [100.0, -5.0]) == [30.0, 0.0]  # an overdrawn share lends nothing
+    assert loans_for(0.0, [100.0]) == [0.0]
+    assert loans_for(30.0, [20.0, 9.0]) is None  # 29 s in all: not enough

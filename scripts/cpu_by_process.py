@@ -7,7 +7,12 @@ process, CPU seconds, CPU microseconds per output token and the share of the run
 time, and the run's TPOT p50 and output tok/s: whether pdserve's slower decode at the same
 load comes from CPU its other processes take from the engine's cores.
 
+With `--idle S` it starts pdserve alone, sends nothing, and prints over S seconds each
+process's CPU and, per thread name, the threads and their wake-ups a second (voluntary
+context switches from /proc): what an idle stack takes from whatever else runs.
+
     flock /tmp/pdserve-cpu.lock .venv/bin/python scripts/cpu_by_process.py --rate 1.3 -n 40
+    flock /tmp/pdserve-cpu.lock .venv/bin/python scripts/cpu_by_process.py --idle 30
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -96,33 +102,90 @@ def measure(spec: ServerSpec, target_args: list[str], rate: float, n: int, workd
     print(f"  {total:7.2f} s {total / tokens * 1e6:8.0f} us/token {total / wall:6.1%}  all")
 
 
+def pdserve_server(port: int,
+                   extra_flags: list[str] | None = None) -> tuple[ServerSpec, list[str]]:
+    """`pdserve up` as the compare starts it, and `pdserve bench run`'s target arguments."""
+    argv = pdserve_argv(port, resolve_model(None), 4096) + (extra_flags or [])
+    spec = ServerSpec("pdserve", argv, source_root_env(),
+                      ready_pattern=rf"^[^\[].*\bready\b.*:{port}\b",
+                      grpc_health_target=f"127.0.0.1:{port}")
+    return spec, ["--target", f"127.0.0.1:{port}"]
+
+
+def vllm_server(port: int) -> tuple[ServerSpec, list[str]]:
+    """One colocated vLLM engine with the compare's engine settings, and the target args."""
+    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model",
+            str(resolve_model(None)), "--dtype", vllm_dtype(), "--block-size", "32",
+            "--max-model-len", "4096", "--enforce-eager", "--enable-prefix-caching",
+            "--port", str(port), "--host", "127.0.0.1"]
+    spec = ServerSpec("vllm", argv, {"VLLM_CPU_KVCACHE_SPACE": "2",
+                                     "VLLM_CPU_OMP_THREADS_BIND": "0-1"},
+                      health_url=f"http://127.0.0.1:{port}/health")
+    return spec, ["--backend", "openai", "--base-url", f"http://127.0.0.1:{port}"]
+
+
+def wakeups(pids: list[int]) -> dict[tuple[int, int], tuple[str, int]]:
+    """(pid, tid) -> (thread name, voluntary context switches so far)."""
+    out = {}
+    for pid in pids:
+        for task in Path(f"/proc/{pid}/task").glob("*"):
+            try:
+                status = (task / "status").read_text()
+                name = (task / "comm").read_text().strip()
+            except OSError:
+                continue
+            switches = next(line for line in status.splitlines()
+                            if line.startswith("voluntary_ctxt_switches"))
+            out[(pid, int(task.name))] = (name, int(switches.split()[1]))
+    return out
+
+
+def measure_idle(seconds: float, workdir: Path) -> None:
+    spec, _ = pdserve_server(free_port())
+    with ServerProcess(spec, workdir / "pdserve.log") as server:
+        time.sleep(10)  # past start-up's last work
+        pids = [server.pid, *descendants(server.pid)]
+        cpu_before, woken_before = tree(server.pid), wakeups(pids)
+        time.sleep(seconds)
+        cpu_after, woken_after = tree(server.pid), wakeups(pids)
+    print(f"\nidle pdserve stack, {seconds:g} s: CPU per process")
+    total = 0.0
+    for pid, (name, cpu) in sorted(cpu_after.items()):
+        used = cpu - cpu_before.get(pid, (name, 0.0))[1]
+        total += used
+        print(f"  {used:6.2f} s {used / seconds:6.1%}  {pid:>7} {name}")
+    print(f"  {total:6.2f} s {total / seconds:6.1%}  all")
+    per, threads = Counter(), Counter()
+    for key, (name, switches) in woken_after.items():
+        group = (key[0], cpu_after.get(key[0], ("?", 0.0))[0], name)
+        per[group] += switches - woken_before.get(key, (name, 0))[1]
+        threads[group] += 1
+    print("wake-ups a second, by process and thread name:")
+    for group, woken in per.most_common(12):
+        print(f"  {woken / seconds:7.0f} /s {threads[group]:3d} threads  {group[0]:>7} "
+              f"{group[1]} / {group[2]}")
+    print(f"  {sum(per.values()) / seconds:7.0f} /s in all")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rate", type=float, default=1.3)
     parser.add_argument("-n", type=int, default=40)
     parser.add_argument("--systems", default="pdserve,vllm")
     parser.add_argument("--pdserve-flags", default="", help="extra `pdserve up` flags")
+    parser.add_argument("--idle", type=float, metavar="S",
+                        help="instead: an idle pdserve stack's CPU and wake-ups over S s")
     args = parser.parse_args()
-    model = resolve_model(None)
     workdir = Path(tempfile.mkdtemp(prefix="cpu-by-process."))
     print(f"logs in {workdir}")
+    if args.idle:
+        measure_idle(args.idle, workdir)
+        return
     for system in args.systems.split(","):
-        port = free_port()
         if system == "pdserve":
-            argv = pdserve_argv(port, model, 4096) + args.pdserve_flags.split()
-            spec = ServerSpec("pdserve", argv, source_root_env(),
-                              ready_pattern=rf"^[^\[].*\bready\b.*:{port}\b",
-                              grpc_health_target=f"127.0.0.1:{port}")
-            target = ["--target", f"127.0.0.1:{port}"]
+            spec, target = pdserve_server(free_port(), args.pdserve_flags.split())
         else:
-            argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model",
-                    str(model), "--dtype", vllm_dtype(), "--block-size", "32",
-                    "--max-model-len", "4096", "--enforce-eager", "--enable-prefix-caching",
-                    "--port", str(port), "--host", "127.0.0.1"]
-            spec = ServerSpec("vllm", argv, {"VLLM_CPU_KVCACHE_SPACE": "2",
-                                             "VLLM_CPU_OMP_THREADS_BIND": "0-1"},
-                              health_url=f"http://127.0.0.1:{port}/health")
-            target = ["--backend", "openai", "--base-url", f"http://127.0.0.1:{port}"]
+            spec, target = vllm_server(free_port())
         measure(spec, target, args.rate, args.n, workdir)
 
 

@@ -21,11 +21,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from cpu_by_process import bench, label  # noqa: E402
+from cpu_by_process import bench, label, pdserve_server  # noqa: E402
 
-from pdserve.bench.compare import pdserve_argv, source_root_env  # noqa: E402
-from pdserve.bench.servers import ServerProcess, ServerSpec, descendants, free_port  # noqa: E402
-from pdserve.model import resolve_model  # noqa: E402
+from pdserve.bench.servers import ServerProcess, descendants, free_port  # noqa: E402
 
 
 def renice(pids: list[int], nice: int) -> None:
@@ -42,11 +40,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="nice-ab."))
-    port = free_port()
-    spec = ServerSpec("pdserve", pdserve_argv(port, resolve_model(None), 4096),
-                      source_root_env(), ready_pattern=rf"^[^\[].*\bready\b.*:{port}\b",
-                      grpc_health_target=f"127.0.0.1:{port}")
-    target = ["--target", f"127.0.0.1:{port}"]
+    spec, target = pdserve_server(free_port())
     tpot: dict[int, list[float]] = {0: [], args.nice: []}
     with ServerProcess(spec, workdir / "up.log") as server:
         pids = [server.pid, *descendants(server.pid)]

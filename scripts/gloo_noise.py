@@ -16,8 +16,6 @@ each run's TPOT p50 and mean.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 import subprocess
 import sys
@@ -27,6 +25,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
 
 
 def hold(num_groups: int) -> None:
@@ -53,29 +52,15 @@ def burn(percent: float, period_ms: float = 10.0) -> None:
 
 
 def ab(rate: float, n: int, repeats: int, groups: int, sched: str, burn_pct: float) -> None:
-    from pdserve.bench.compare import source_root_env, vllm_dtype
-    from pdserve.bench.servers import ServerProcess, ServerSpec, free_port
-    from pdserve.model import resolve_model
+    from cpu_by_process import bench, vllm_server
+
+    from pdserve.bench.servers import ServerProcess, free_port
 
     workdir = Path(tempfile.mkdtemp(prefix="gloo-noise."))
-    port = free_port()
-    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model",
-            str(resolve_model(None)), "--dtype", vllm_dtype(), "--block-size", "32",
-            "--max-model-len", "4096", "--enforce-eager", "--enable-prefix-caching",
-            "--port", str(port), "--host", "127.0.0.1"]
-    spec = ServerSpec("vllm", argv, {"VLLM_CPU_KVCACHE_SPACE": "2",
-                                     "VLLM_CPU_OMP_THREADS_BIND": "0-1"},
-                      health_url=f"http://127.0.0.1:{port}/health")
+    spec, target = vllm_server(free_port())
 
     def run(tag: str, seed: int) -> dict:
-        out = workdir / f"{tag}.json"
-        subprocess.run([sys.executable, "-m", "pdserve.cli", "bench", "run", "--backend",
-                        "openai", "--base-url", f"http://127.0.0.1:{port}", "--workload",
-                        "short", "--rate", str(rate), "--num-requests", str(n), "--warmup",
-                        "0", "--seed", str(seed), "--max-model-len", "4096", "--json",
-                        str(out)], check=True, env={**os.environ, **source_root_env()},
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        return json.loads(out.read_text())["runs"][0]["summary"]
+        return bench(target, rate, n, seed, workdir / f"{tag}.json")["runs"][0]["summary"]
 
     results: dict[str, list[float]] = {"alone": [], "with neighbour": []}
     with ServerProcess(spec, workdir / "vllm.log"):

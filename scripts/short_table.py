@@ -18,6 +18,15 @@ ttft_slo, tpot_slo = slo["ttft_s"], slo["tpot_s"]
 print(f"SLOs: TTFT {ttft_slo:.3f} s, TPOT {tpot_slo * 1000:.1f} ms "
       f"(vLLM unloaded TTFT p50 {d['slo']['unloaded_p50']['default']['ttft_p50_s']:.3f} s, "
       f"TPOT p50 {d['slo']['unloaded_p50']['default']['tpot_p50_s'] * 1000:.1f} ms)\n")
+
+
+def tpot_s(record: dict) -> float | None:
+    """A served request's time per output token from its chunks' times (None below 2)."""
+    chunks = record["chunks"]
+    n = sum(c["num_tokens"] for c in chunks)
+    return (chunks[-1]["time_s"] - chunks[0]["time_s"]) / (n - 1) if n > 1 else None
+
+
 print("| system | rate (req/s) | SLO attainment | refused | other errors | late among served "
       "(TTFT / TPOT) | TTFT p50 / p99 | TPOT p50 / p99 | output tok/s | prefill local / remote / moved |")
 print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
@@ -34,10 +43,8 @@ for name in ("vllm", "pdserve"):
                 refused += r["error"] == "RESOURCE_EXHAUSTED"
                 errors += r["error"] != "RESOURCE_EXHAUSTED"
                 continue
-            chunks = r["chunks"]
-            n = sum(c["num_tokens"] for c in chunks)
-            late_ttft += chunks[0]["time_s"] - r["send_s"] > ttft_slo
-            late_tpot += n > 1 and (chunks[-1]["time_s"] - chunks[0]["time_s"]) / (n - 1) > tpot_slo
+            late_ttft += r["chunks"][0]["time_s"] - r["send_s"] > ttft_slo
+            late_tpot += (tpot_s(r) or 0.0) > tpot_slo
         print(f"| {name} | {m['rate_rps']:g} | {m['slo_attainment']:.1%} | {refused} | "
               f"{errors} | {late_ttft} / {late_tpot} | {m['ttft_p50_s']:.3f} / {m['ttft_p99_s']:.3f} s | "
               f"{m['tpot_p50_s'] * 1000:.1f} / {m['tpot_p99_s'] * 1000:.1f} ms | "
@@ -58,12 +65,8 @@ for name in ("vllm", "pdserve"):
         for r in records:
             if r["error"] != "RESOURCE_EXHAUSTED" or "time per output token" not in r["error_message"]:
                 continue
-            near = []
-            for q in records:
-                n = sum(c["num_tokens"] for c in q["chunks"])
-                if q["error"] or n < 2 or abs(q["send_s"] - r["send_s"]) > 4:
-                    continue
-                near.append((q["chunks"][-1]["time_s"] - q["chunks"][0]["time_s"]) / (n - 1))
+            near = [t for q in records if not q["error"] and abs(q["send_s"] - r["send_s"]) <= 4
+                    and (t := tpot_s(q)) is not None]
             met += sum(t <= tpot_slo for t in near)
             near_all += len(near)
             print(f"  {name} {run['rate_rps']:g} {r['request_id']}: "

@@ -100,19 +100,25 @@ def test_interleaved_budget_share_stops_a_search_and_others_time_is_not_charged(
     assert out.systems["pdserve"].search.status.value == "above_ceiling"
 
 
-def test_a_search_going_down_borrows_its_next_rate_from_the_others_shares(monkeypatch):
-    """pdserve misses at 1 req/s; its floor, 0.5 req/s, costs 82 s on the fake clock and
-    its 100 s share has 58 left: it takes the other 24 s from vLLM's unspent share (136 s
-    left then) and brackets its goodput, where it used to stop "unbracketed". vLLM, going
-    up, then has 112 s: enough for 4 req/s."""
+def pdserve_missing_its_start(monkeypatch, vllm_share_s: float):
+    """vLLM meets every rate up to 4 req/s; pdserve misses at its start (1 req/s) and meets
+    at its floor (0.5); pdserve's share is 100 s. Returns (result, lanes)."""
     from pdserve.bench.search import SearchConfig
 
     capacity = {"vllm": 10.0, "pdserve": 0.75}
     search = SearchConfig(start_rps=1.0, floor_rps=0.5, factor=2.0, bisections=0,
                           max_up_steps=2)
-    out, lanes = alternate_on_fake_clock(
+    return alternate_on_fake_clock(
         monkeypatch, lambda system, rate: 1.0 if rate < capacity[system] else 0.5, search,
-        {"vllm": 200.0, "pdserve": 100.0})
+        {"vllm": vllm_share_s, "pdserve": 100.0})
+
+
+def test_a_search_going_down_borrows_its_next_rate_from_the_others_shares(monkeypatch):
+    """pdserve misses at 1 req/s; its floor, 0.5 req/s, costs 82 s on the fake clock and
+    its 100 s share has 58 left: it takes the other 24 s from vLLM's unspent share (136 s
+    left then) and brackets its goodput, where it used to stop "unbracketed". vLLM, going
+    up, then has 112 s: enough for 4 req/s."""
+    out, lanes = pdserve_missing_its_start(monkeypatch, vllm_share_s=200.0)
     assert out.measured_in_order == [("vllm", 1.0), ("pdserve", 1.0), ("vllm", 2.0),
                                      ("pdserve", 0.5), ("vllm", 4.0)]
     pd = out.systems["pdserve"]
@@ -125,14 +131,7 @@ def test_a_search_going_down_borrows_its_next_rate_from_the_others_shares(monkey
 def test_a_search_going_down_stops_when_the_others_cannot_lend_enough(monkeypatch):
     """As above, but vLLM's 60 s share has 18 s left after its 1 req/s (and no room for
     its own 2 req/s, 22 s): pdserve's floor needs 24 s more than its share: both stop."""
-    from pdserve.bench.search import SearchConfig
-
-    capacity = {"vllm": 10.0, "pdserve": 0.75}
-    search = SearchConfig(start_rps=1.0, floor_rps=0.5, factor=2.0, bisections=0,
-                          max_up_steps=2)
-    out, _ = alternate_on_fake_clock(
-        monkeypatch, lambda system, rate: 1.0 if rate < capacity[system] else 0.5, search,
-        {"vllm": 60.0, "pdserve": 100.0})
+    out, _ = pdserve_missing_its_start(monkeypatch, vllm_share_s=60.0)
     assert out.measured_in_order == [("vllm", 1.0), ("pdserve", 1.0)]
     assert out.systems["pdserve"].stopped_by_budget and out.systems["vllm"].stopped_by_budget
     assert out.systems["pdserve"].search.status.value == "unbracketed"

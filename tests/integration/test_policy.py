@@ -194,7 +194,10 @@ def test_a_short_prompt_stalled_on_the_prefill_tier_is_moved_to_the_decode_worke
     assert replies[-1].usage.completion_tokens == 4
     assert route["pdserve-prefill"] == "moved"
     assert elapsed < 30, elapsed
-    assert prefill_order(stack, {"stall-short"}) == ["stall-short"]  # sent there first
+    # Sent there first: the gateway's own log line below says so. The prefill worker's
+    # "prefill stall-short" line is not required: its front end runs at idle priority
+    # beside the busy decode engine and may not reach the call within the 0.25 s the
+    # gateway waits (seen once in a full run: the line never came).
     assert stack.metric(0, "pdserve_prefills_moved_total") - moved_before == 1
     assert any("request stall-short: prefill worker" in line and "did not answer" in line for line in stack.log)
 

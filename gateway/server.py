@@ -54,6 +54,8 @@ SERVICE_NAME = "pdserve.v1.Generation"
 DRAIN_GRACE_S = 10.0
 # A stalled remote prefill that no decode worker could take yet is offered again this often.
 STALL_RECHECK_S = 0.1
+# A worker-polling round this late means the gateway itself did not run (see _poll_workers).
+PAUSE_EXCUSED_AFTER_S = 2.0
 
 
 @dataclass(slots=True)
@@ -324,8 +326,16 @@ async def _poll_workers(workers: WorkerPool, dispatcher: Dispatcher, health, cfg
     """Health of the static workers, heartbeats of the registered ones; the gateway is
     SERVING while each tier has a routable worker."""
     was_ready = None
+    sleep_s = min(cfg.poll_interval_s, cfg.heartbeat_interval_s)
+    late_s = 0.0
     while True:
         try:
+            if late_s > PAUSE_EXCUSED_AFTER_S:
+                # The loop itself did not run (the process was stopped or starved): the
+                # heartbeats of that time were not read, and the workers are not to blame.
+                logger.warning("gateway did not run for %.1f s; its registered workers' heartbeat "
+                               "silence is counted without it", late_s)
+                workers.excuse_pause(late_s, time.monotonic())
             await workers.poll_once()
             workers.expire_heartbeats(time.monotonic(), cfg.heartbeat_timeout_s)
             dispatcher.pump()  # a worker that came back may take queued work
@@ -340,7 +350,9 @@ async def _poll_workers(workers: WorkerPool, dispatcher: Dispatcher, health, cfg
             # This loop is the gateway's health and heartbeat expiry: one bad round must not
             # end it (health would stay as it was for the gateway's life).
             logger.exception("polling workers failed; polling again")
-        await asyncio.sleep(min(cfg.poll_interval_s, cfg.heartbeat_interval_s))
+        asleep_s = time.monotonic()
+        await asyncio.sleep(sleep_s)
+        late_s = time.monotonic() - asleep_s - sleep_s
 
 
 def build_dispatcher(cfg: GatewayConfig, workers: WorkerPool) -> Dispatcher:

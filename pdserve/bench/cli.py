@@ -185,6 +185,10 @@ def _add_compare_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--sequential", action="store_true",
                    help="boot, measure and stop one system after the other (default: boot "
                         "all, alternate their rates, so the machine's drift hits both)")
+    g.add_argument("--idle-systems", choices=("freeze", "run"), default="freeze",
+                   help="interleaved: what the systems not measuring do: freeze (SIGSTOP, "
+                        "so their idle polling takes no CPU from the one measuring) or run "
+                        "(idle; their CPU is still reported per measurement)")
     g.add_argument("--log-dir", type=Path, default=Path("bench-logs"),
                    help="server output goes to LOG_DIR/<system>.log")
 
@@ -273,7 +277,7 @@ def compare_config(args: argparse.Namespace, model: Path) -> CompareConfig:
         plan=plan, log_dir=args.log_dir, vllm_cpus=args.vllm_cpus,
         vllm_kv_cache_gib=args.vllm_kv_cache_gib, pdserve_target=args.pdserve_target,
         vllm_url=args.vllm_url, boot_timeout_s=args.boot_timeout_s,
-        sequential=args.sequential)
+        sequential=args.sequential, freeze_idle=args.idle_systems == "freeze")
 
 
 def _write_json(doc: dict, where: str) -> None:

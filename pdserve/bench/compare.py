@@ -112,6 +112,8 @@ class CompareConfig:
     boot_timeout_s: float = 600.0
     # One system after the other instead of all booted and their rates alternated.
     sequential: bool = False
+    # Interleaved: stop (SIGSTOP) the systems not measuring; False: leave them idle.
+    freeze_idle: bool = True
 
     def __post_init__(self) -> None:
         unknown = set(self.systems) - set(SYSTEMS)

@@ -2,12 +2,15 @@
 
 All systems are booted first and stay up; the first one's unloaded run sets the SLOs and
 the search (`compare.calibrate_on`); then each system in turn (vLLM, pdserve-fifo,
-pdserve) measures its search's next rate while the others idle, so a machine whose speed
-drifts over minutes slows both sides of the ratio alike. Each system's time share is
+pdserve) measures its search's next rate while the others wait frozen (SIGSTOP, `--idle-systems
+freeze`, the default; an idle pdserve stack took 4-8% of a core beside vLLM's turns, an
+idle vLLM 1-2% beside pdserve's), so a machine whose speed drifts over minutes slows both
+sides of the ratio alike and no system's idle polling slows another. Each system's time share is
 counted in its own measurements only (`compare.Budget`, moved on by the time the others
 take). pdserve measures pdserve-fifo's policy rate on its next turn after fifo's miss, and
 its search reuses that measurement if it asks for the same rate. The CPU the idle systems
-used during each measurement is kept with it (`SystemResult.others_idle_cores`).
+used during each measurement is kept with it (`SystemResult.others_idle_cores`: zero when
+frozen).
 """
 
 from __future__ import annotations
@@ -27,6 +30,10 @@ from pdserve.bench.presets import class_weights
 from pdserve.bench.runner import BenchConfig, RunResult, make_backend, warm_up
 from pdserve.bench.search import RateSearch, loans_for
 from pdserve.bench.servers import ServerError, ServerProcess, free_port, tree_cpu_s
+
+# After a frozen system is thawed, time for its timers to run (pdserve's gateway re-reads
+# its workers' heartbeats, every second) before its readiness is checked and it is measured.
+THAW_SETTLE_S = 3.0
 
 # An idle system using more than this (cores, averaged over another's measurement) is
 # logged: that measurement did not have the machine to itself.
@@ -82,10 +89,16 @@ class Lane:
     result: SystemResult
     bench: BenchConfig
     backend: object
-    pid: int | None  # the server's process (None: a given address), for its idle CPU
+    server: ServerProcess | None  # None: a given address (neither frozen nor its CPU read)
     search: RateSearch | None = None
     budget: Budget | None = None
     done: bool = False
+    freezable: bool = False  # stopped while another system measures (`--idle-systems freeze`)
+    frozen: bool = False
+
+    @property
+    def pid(self) -> int | None:
+        return None if self.server is None else self.server.pid
 
     @property
     def name(self) -> str:
@@ -105,7 +118,7 @@ def run_interleaved(cfg: CompareConfig) -> CompareResult:
     out = CompareResult(mode="interleaved")
     started = time.monotonic()
     deadline = started + cfg.plan.budget_s
-    booted: dict[str, tuple[str, int | None]] = {}  # system -> (address, pid)
+    booted: dict[str, tuple[str, ServerProcess | None]] = {}  # system -> (address, server)
     order = cfg.run_order()
     with contextlib.ExitStack() as servers:
         for k, system in enumerate(order):
@@ -128,7 +141,7 @@ def run_interleaved(cfg: CompareConfig) -> CompareResult:
             result.boot_s = server.boot_s
             log(f"{system} ready in {server.boot_s:.0f} s")
             address = f"http://127.0.0.1:{port}" if system == "vllm" else f"127.0.0.1:{port}"
-            booted[system] = (address, server.pid)
+            booted[system] = (address, server)
             if len(booted) > 1:
                 continue
             rest = [s for s in order[k + 1:] if cfg.given_address(s) is None]
@@ -148,14 +161,16 @@ def run_interleaved(cfg: CompareConfig) -> CompareResult:
     return out
 
 
-async def measure_interleaved(cfg: CompareConfig, booted: dict[str, tuple[str, int | None]],
+async def measure_interleaved(cfg: CompareConfig,
+                              booted: dict[str, tuple[str, ServerProcess | None]],
                               out: CompareResult, deadline: float) -> None:
     async with contextlib.AsyncExitStack() as stack:
         lanes: list[Lane] = []
-        for system, (address, pid) in booted.items():
+        for system, (address, server) in booted.items():
             bench = bench_config_for(cfg, system, address)
             backend = await stack.enter_async_context(make_backend(bench))
-            lane = Lane(out.systems[system], bench, backend, pid)
+            lane = Lane(out.systems[system], bench, backend, server,
+                        freezable=cfg.freeze_idle and server is not None)
             try:
                 await warm_up(backend, bench)
             except OSError as e:
@@ -166,6 +181,7 @@ async def measure_interleaved(cfg: CompareConfig, booted: dict[str, tuple[str, i
         if not lanes:
             return
         first = lanes[0]
+        await take_the_machine(first, lanes)
         try:
             await calibrate_on(cfg, first.name, first.backend, first.bench, out)
         except CalibrationError as e:
@@ -249,11 +265,15 @@ async def take_turn(lane: Lane, lanes: list[Lane], out: CompareResult) -> bool:
         lane.done = True
         return False
     others = [x for x in lanes if x is not lane and x.pid is not None]
-    cpu_before = {x.name: tree_cpu_s(x.pid) for x in others}
     started = time.monotonic()
+    await take_the_machine(lane, lanes)
+    cpu_before = {x.name: tree_cpu_s(x.pid) for x in others}
+    measuring = time.monotonic()
     run = await measure(lane.backend, lane.bench, lane.name, rate)
-    took = time.monotonic() - started
-    idle = {x.name: round((tree_cpu_s(x.pid) - cpu_before[x.name]) / took, 4) for x in others}
+    ended = time.monotonic()
+    took = ended - started  # the thaw's too: this system's time, not the others'
+    idle = {x.name: round((tree_cpu_s(x.pid) - cpu_before[x.name]) / (ended - measuring), 4)
+            for x in others}
     for name, cores in idle.items():
         if cores > IDLE_CORES_WARNING:
             log(f"warning: {name} used {cores:.2f} cores while idle during {lane.name}'s "
@@ -267,3 +287,19 @@ async def take_turn(lane: Lane, lanes: list[Lane], out: CompareResult) -> bool:
         if other is not lane and other.budget is not None:
             other.budget.end_s += took
     return True
+
+
+async def take_the_machine(lane: Lane, lanes: list[Lane]) -> None:
+    """Freezes every other freezable system and thaws ``lane`` if it was frozen, waiting
+    until it answers its readiness check again (`ServerProcess.thaw`)."""
+    for other in lanes:
+        if other is not lane and other.freezable and not other.frozen:
+            assert other.server is not None
+            other.server.freeze()
+            other.frozen = True
+    if lane.frozen:
+        assert lane.server is not None
+        thawed = time.monotonic()
+        await asyncio.to_thread(lane.server.thaw, THAW_SETTLE_S)
+        lane.frozen = False
+        log(f"{lane.name} thawed, ready in {time.monotonic() - thawed:.1f} s")

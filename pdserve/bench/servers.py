@@ -195,6 +195,28 @@ class ServerProcess:
                 time.sleep(0.5)
         raise self._not_ready()
 
+    def freeze(self) -> None:
+        """SIGSTOP the server and every descendant: a system idle while another is measured
+        takes no CPU at all (an idle pdserve stack still polls, seen at 4-8% of a core)."""
+        if self._proc is not None:
+            signal_tree(self._proc.pid, signal.SIGSTOP)
+
+    def thaw(self, settle_s: float = 0.0) -> None:
+        """SIGCONT what `freeze` stopped; then, after ``settle_s`` (for the timers that came
+        due meanwhile to run), wait until the server answers its readiness check again."""
+        if self._proc is None:
+            return
+        signal_tree(self._proc.pid, signal.SIGCONT)
+        time.sleep(settle_s)
+        deadline = time.monotonic() + self.spec.boot_timeout_s
+        if self.spec.grpc_health_target is not None:
+            self._wait_serving(self.spec.grpc_health_target, deadline)
+        elif self.spec.health_url is not None:
+            while not self._healthy():
+                if time.monotonic() > deadline or self._proc.poll() is not None:
+                    raise self._not_ready()
+                time.sleep(0.5)
+
     @property
     def pid(self) -> int | None:
         return None if self._proc is None else self._proc.pid
@@ -210,6 +232,7 @@ class ServerProcess:
         family = [proc.pid, *descendants(proc.pid)]
         held = SegmentTracker()
         held.record(family)  # /dev/shm segments a process killed below would leave behind
+        signal_tree(proc.pid, signal.SIGCONT)  # a frozen process would not act on SIGTERM
         if proc.poll() is None:
             _signal_group(proc.pid, signal.SIGTERM)
         for pid in family:  # descendants that left the group get the same notice
@@ -233,6 +256,14 @@ class ServerProcess:
         if self._pump_thread is not None:
             self._pump_thread.join(timeout=5)
         self._proc = None
+
+
+def signal_tree(pid: int, sig: signal.Signals) -> None:
+    """``sig`` to ``pid``'s process group and to each of its descendants (one may have
+    left the group)."""
+    _signal_group(pid, sig)
+    for child in descendants(pid):
+        _signal(child, sig)
 
 
 def _signal_group(pgid: int, sig: signal.Signals) -> None:

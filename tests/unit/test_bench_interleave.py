@@ -32,11 +32,15 @@ def test_interleaved_compare_measures_the_systems_that_booted(tmp_path, fake_pds
     assert [name for name, _ in result.measured_in_order] == ["pdserve", "pdserve"]
 
 
-def alternate_on_fake_clock(monkeypatch, attainment, search, shares_s: dict[str, float]):
+def alternate_on_fake_clock(monkeypatch, attainment, search, shares_s: dict[str, float],
+                            events: list | None = None):
     """`interleave.alternate` over one lane per system of ``shares_s`` (its share of the
     budget, seconds) with measurements faked: ``attainment(system, rate)`` for every class,
-    each taking its estimate (40 / rate + 2 s) on a fake clock. Returns (result, lanes)."""
+    each taking its estimate (40 / rate + 2 s) on a fake clock. Returns (result, lanes).
+    With ``events``, each lane has a fake server to freeze and thaw, and ``events`` gets
+    ("freeze", system), ("thaw", system) and ("measure", system, rate) in order."""
     import asyncio
+    import os
     from types import SimpleNamespace
 
     from pdserve.bench import compare, interleave
@@ -45,6 +49,8 @@ def alternate_on_fake_clock(monkeypatch, attainment, search, shares_s: dict[str,
     now = [1000.0]
 
     async def fake_measure(backend, bench, system, rate):
+        if events is not None:
+            events.append(("measure", system, rate))
         now[0] += 40 / rate + 2.0
         att = attainment(system, rate)
         summary = SimpleNamespace(slo_attainment=att,
@@ -58,8 +64,12 @@ def alternate_on_fake_clock(monkeypatch, attainment, search, shares_s: dict[str,
     lanes = []
     for name, share_s in shares_s.items():
         out.systems[name] = compare.SystemResult(name)
-        lanes.append(interleave.Lane(out.systems[name], None, None, None, RateSearch(search),
-                                     compare.Budget(now[0] + share_s, 41, 1.0)))
+        server = None if events is None else SimpleNamespace(
+            pid=os.getpid(), freeze=lambda name=name: events.append(("freeze", name)),
+            thaw=lambda settle_s, name=name: events.append(("thaw", name)))
+        lanes.append(interleave.Lane(out.systems[name], None, None, server, RateSearch(search),
+                                     compare.Budget(now[0] + share_s, 41, 1.0),
+                                     freezable=server is not None))
     asyncio.run(interleave.alternate(lanes, out))
     return out, lanes
 
@@ -84,6 +94,25 @@ def test_interleaved_systems_take_turns_and_pdserve_follows_fifo_to_its_policy_r
     assert out.systems["pdserve"].search.goodput_rps == out.systems["vllm"].search.goodput_rps
     assert out.systems["pdserve-fifo"].search.bracket[1].rate_rps == 2.0
     assert all(lane.done for lane in lanes)
+
+
+def test_systems_not_measuring_are_frozen_and_each_is_thawed_for_its_own_turn(monkeypatch):
+    """`--idle-systems freeze`: before each measurement every other system is frozen (once)
+    and the one measuring thawed; nothing is thawed twice or measured frozen."""
+    from pdserve.bench.search import SearchConfig
+
+    capacity = {"vllm": 1.5, "pdserve": 3.0}
+    search = SearchConfig(start_rps=1.0, floor_rps=0.5, factor=2.0, bisections=0,
+                          max_up_steps=1)
+    events: list = []
+    alternate_on_fake_clock(monkeypatch,
+                            lambda system, rate: 1.0 if rate < capacity[system] else 0.5,
+                            search, {"vllm": 1e6, "pdserve": 1e6}, events)
+    assert events == [
+        ("freeze", "pdserve"), ("measure", "vllm", 1.0),
+        ("freeze", "vllm"), ("thaw", "pdserve"), ("measure", "pdserve", 1.0),
+        ("freeze", "pdserve"), ("thaw", "vllm"), ("measure", "vllm", 2.0),
+        ("freeze", "vllm"), ("thaw", "pdserve"), ("measure", "pdserve", 2.0)]
 
 
 def test_interleaved_budget_share_stops_a_search_and_others_time_is_not_charged(monkeypatch):
@@ -174,6 +203,7 @@ def test_interleaved_compare_falls_back_to_one_system_at_a_time_when_the_rest_wo
     would need 6.25: the first is stopped and both run one after the other, the JSON saying
     why."""
     import contextlib
+    from types import SimpleNamespace
 
     from pdserve.bench import compare, compare_report, interleave
 
@@ -188,7 +218,9 @@ def test_interleaved_compare_falls_back_to_one_system_at_a_time_when_the_rest_wo
         @contextlib.contextmanager
         def fake_server(spec, log_path):
             events.append(("start", spec.name))
-            yield type("Server", (), {"boot_s": 0.0, "pid": None})()
+            yield SimpleNamespace(boot_s=0.0, pid=None,
+                                  freeze=lambda: events.append(("freeze", spec.name)),
+                                  thaw=lambda settle_s: events.append(("thaw", spec.name)))
             events.append(("stop", spec.name))
 
         def fake_spec(cfg, port, system="pdserve"):
@@ -206,7 +238,11 @@ def test_interleaved_compare_falls_back_to_one_system_at_a_time_when_the_rest_wo
 
     result, events, _ = measure_with(3)
     assert result.mode == "interleaved" and result.mode_reason is None
+    # pdserve frozen for fifo's unloaded run and first rate, then each thawed for its turn.
     assert events == [("start", "pdserve-fifo"), ("start", "pdserve"),
+                      ("freeze", "pdserve"), ("freeze", "pdserve-fifo"), ("thaw", "pdserve"),
+                      ("freeze", "pdserve"), ("thaw", "pdserve-fifo"),
+                      ("freeze", "pdserve-fifo"), ("thaw", "pdserve"),
                       ("stop", "pdserve"), ("stop", "pdserve-fifo")]
 
     result, events, cfg = measure_with(5)

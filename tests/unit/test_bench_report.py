@@ -144,6 +144,42 @@ def test_server_process_waits_for_ready_and_leaves_nothing(tmp_path):
     assert "pdserve ready" in (tmp_path / "fake.log").read_text()
 
 
+def _state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
+
+
+def _wait_state(pid: int, want: bool, state: str = "T", timeout_s: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while (_state(pid) == state) != want and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return (_state(pid) == state) == want
+
+
+def test_a_frozen_server_and_its_descendants_stop_until_thawed_and_still_stop_cleanly(tmp_path):
+    """`--idle-systems freeze`: SIGSTOP reaches the grandchild in a session of its own
+    too; thawed, all run again; a server stopped while frozen still ends at SIGTERM (a
+    stopped process does not act on it until continued)."""
+    port = free_port()
+    spec = ServerSpec("fake", [sys.executable, "-c", SERVER, str(port)],
+                      ready_pattern=rf"\bready\b.*:{port}\b", stop_grace_s=10)
+    with ServerProcess(spec, tmp_path / "fake.log") as server:
+        leader = server._proc.pid
+        child = int(next(line.split()[1] for line in server.tail().splitlines()
+                         if line.startswith("child")))
+        server.freeze()
+        frozen = [_wait_state(leader, True), _wait_state(child, True)]
+        server.thaw()
+        thawed = [_wait_state(leader, False), _wait_state(child, False)]
+        server.freeze()
+        assert _wait_state(leader, True)
+        stopping = time.monotonic()
+    took_s = time.monotonic() - stopping
+    assert frozen == [True, True] and thawed == [True, True]
+    assert not _alive(leader) and not _alive(child)
+    assert took_s < 5, f"stopping a frozen server took {took_s:.1f} s: it waited for SIGKILL"
+
+
 # A server whose engine process holds a multiprocessing shared-memory buffer (as vLLM's
 # queues are) and ignores SIGTERM, so that stopping it ends in SIGKILL to the whole group.
 SHM_SERVER = """

@@ -75,6 +75,25 @@ def test_missed_heartbeats_take_a_worker_out_of_rotation_and_later_forget_it():
     assert run(scenario) == (["d1"], "down", "ready", [])
 
 
+def test_a_pause_of_the_gateway_is_not_counted_as_the_workers_silence():
+    def scenario(pool):
+        pool.register(info("d1"), "h1:1", "", now_s=0.0)
+        pool.register(info("d2"), "h2:1", "", now_s=0.0)
+        pool.heartbeat("d1", worker_pb2.WorkerLoad(), False, now_s=1.0)
+        pool.heartbeat("d2", worker_pb2.WorkerLoad(), False, now_s=1.0)
+        # The gateway stopped from 1.5 to 301.5; d2's heartbeat was read as it resumed.
+        pool.heartbeat("d2", worker_pb2.WorkerLoad(), False, now_s=301.6)
+        pool.excuse_pause(300.0, now_s=301.7)
+        kept = [w.worker_id for w in pool.expire_heartbeats(303.9, timeout_s=3.0)]
+        times = [w.last_heartbeat_s for w in pool.workers]
+        lost = [w.worker_id for w in pool.expire_heartbeats(304.1, timeout_s=3.0)]
+        return kept, times, lost
+
+    # d1 last spoke 0.5 s before the pause: silent 2.9 s at 303.9 and 3.1 s at 304.1 once
+    # the pause is excused (without it, 302.9 s: out of rotation and forgotten at once).
+    assert run(scenario) == ([], [301.0, 301.7], ["d1"])
+
+
 def test_drain_takes_a_worker_out_of_rotation_and_tells_it_in_the_next_heartbeat():
     def scenario(pool):
         pool.register(info("d1"), "h1:1", "", now_s=0.0)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import uuid
 
-from kvtransfer.connector import LOAD_KEY
+from kvtransfer.connector import LOAD_KEY, TPOT_KEY
 from kvtransfer.layout import KVHandle, LayoutMismatchError, expected_layout
 from pdserve.config import WorkerConfig
 from pdserve.engine import layout_from_proto, sampling_params, worker_info
@@ -63,6 +63,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                     "prompt; it must cover a strict prefix"
                 )
             kv_params = {LOAD_KEY: handle.to_dict()}
+        if request.tpot_objective_ms:
+            kv_params = {**(kv_params or {}), TPOT_KEY: request.tpot_objective_ms / 1000}
         params = sampling_params(request.sampling, max_tokens, kv_params)
         request_id = request.request_id or uuid.uuid4().hex
         async for out in self._engine.generate(TokensPrompt(prompt_token_ids=token_ids), params, request_id):

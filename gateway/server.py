@@ -273,6 +273,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             sampling=job.sampling.to_engine(job.sampling.max_tokens - (0 if kv is None else 1)),
         )
         request.sampling.stream_interval = self._cfg.stream_intervals[job.priority]
+        if ticket.tpot_slo_s:
+            request.tpot_objective_ms = max(round(ticket.tpot_slo_s * 1000), 1)
         if kv is not None:
             request.kv.CopyFrom(kv)
         call = worker.stub.Decode(request)

@@ -11,7 +11,10 @@ kv_connector_module_path="kvtransfer.connector", kv_role=..., kv_connector_extra
   finished request's ``RequestOutput.kv_transfer_params`` carries
   ``{"pdserve_handle": KVHandle.to_dict()}``;
 - ``{"pdserve_load": KVHandle.to_dict()}`` on a consumer: the handle's tokens are loaded into
-  the request's blocks instead of being computed.
+  the request's blocks instead of being computed;
+- ``{"pdserve_tpot_s": seconds}`` on a consumer: the request's TPOT objective, which bounds
+  how long the engine pauses per step for a prefill engine on its cores when the decode
+  yield is ``slack`` (kvtransfer.coreshare).
 
 Request lifecycle on the consumer:
   1. Waiting: the scheduler asks ``get_num_new_matched_tokens``; we answer how many prompt
@@ -59,7 +62,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvtransfer import metrics
-from kvtransfer.coreshare import StepYield
+from kvtransfer.coreshare import StepYield, pause_budget_s, slack_mode_from_env
 from kvtransfer.layout import REQUIRED_KV_CACHE_LAYOUT, KVHandle, KVLayout, expected_layout
 from kvtransfer.transport import KVTransferError, KVTransport, transport_class
 
@@ -79,6 +82,8 @@ SAVE_KEY = "pdserve_save"
 LOAD_KEY = "pdserve_load"
 # In RequestOutput.kv_transfer_params of a producer's finished request: the saved KV's handle.
 HANDLE_KEY = "pdserve_handle"
+# On a consumer: the request's TPOT objective in seconds, for `--decode-yield slack`.
+TPOT_KEY = "pdserve_tpot_s"
 
 
 @dataclass(slots=True)
@@ -109,6 +114,9 @@ class PdConnectorMetadata(KVConnectorMetadata):
     saves: list[SaveSpec] = field(default_factory=list)
     # The step computes nothing: the engine runs it only to learn which leases ended.
     idle: bool = False
+    # `--decode-yield slack`: what the running requests' TPOT objectives let this step
+    # pause for (coreshare.pause_budget_s; None: nothing bounds it).
+    yield_budget_s: float | None = None
 
 
 # A producer holding leases keeps its engine stepping (vLLM polls get_finished each step);
@@ -157,6 +165,11 @@ class PdConnector(KVConnectorBase_V1):
         # while that has prompts in hand (kvtransfer.coreshare; off unless configured).
         self._step_yield = (None if self._kv_transfer_config.is_kv_producer
                             or role != KVConnectorRole.WORKER else StepYield.from_env())
+        # Slack mode, scheduler half: the requests with a TPOT objective, id -> [request,
+        # objective s, when their first token was seen].
+        self._slack = (role == KVConnectorRole.SCHEDULER and not self._kv_transfer_config.is_kv_producer
+                       and slack_mode_from_env())
+        self._objectives: dict[str, list] = {}
 
     # ==============================
     # Scheduler half
@@ -164,6 +177,8 @@ class PdConnector(KVConnectorBase_V1):
 
     def on_new_request(self, request: Request) -> None:
         params = request.kv_transfer_params or {}
+        if self._slack and params.get(TPOT_KEY):
+            self._objectives[request.request_id] = [request, float(params[TPOT_KEY]), None]
         if SAVE_KEY in params:
             assert self._kv_transfer_config.is_kv_producer, "save asked of a consumer engine"
             save = params[SAVE_KEY]
@@ -207,6 +222,8 @@ class PdConnector(KVConnectorBase_V1):
             loads=list(self._pending_loads.values()),
             idle=not any(scheduler_output.num_scheduled_tokens.values()),
         )
+        if self._slack:
+            meta.yield_budget_s = self._yield_budget_s(scheduler_output)
         self._pending_loads.clear()
         scheduled = scheduler_output.num_scheduled_tokens
         for request_id, (request, save) in list(self._pending_saves.items()):
@@ -237,6 +254,22 @@ class PdConnector(KVConnectorBase_V1):
             del self._pending_saves[request_id]
         return meta
 
+    def _yield_budget_s(self, scheduler_output: SchedulerOutput) -> float | None:
+        if scheduler_output.scheduled_new_reqs:
+            return 0.0  # a prompt starts in this step: a pause would add to its TTFT
+        now = time.monotonic()
+        running = []
+        for request_id in scheduler_output.num_scheduled_tokens:
+            entry = self._objectives.get(request_id)
+            if entry is None:
+                continue  # no TPOT objective: it bounds nothing
+            request, objective_s, first_s = entry
+            made = request.num_output_tokens
+            if made >= 1 and first_s is None:
+                entry[2] = first_s = now  # made by the step before this one
+            running.append((made, objective_s, first_s))
+        return pause_budget_s(now, running)
+
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         failed = connector_output.invalid_block_ids
         if not failed:
@@ -249,6 +282,7 @@ class PdConnector(KVConnectorBase_V1):
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         self._loading_blocks.pop(request.request_id, None)
+        self._objectives.pop(request.request_id, None)
         self._pending_saves.pop(request.request_id, None)
         self._pending_loads.pop(request.request_id, None)
         num_external = self._num_external_tokens.pop(request.request_id, 0)
@@ -316,10 +350,10 @@ class PdConnector(KVConnectorBase_V1):
         return transport
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        if self._step_yield is not None and self._step_yield.pause():
-            metrics.DECODE_YIELD_SECONDS.inc(self._step_yield.yield_s)
         meta = self._get_connector_metadata()
         assert isinstance(meta, PdConnectorMetadata)
+        if self._step_yield is not None and (slept := self._step_yield.pause(meta.yield_budget_s)):
+            metrics.DECODE_YIELD_SECONDS.inc(slept)
         for load in meta.loads:
             self._load(load)
 

@@ -8,6 +8,15 @@ sleeps that long at the start of each step while a prefill worker has prompts in
 the prefill engine has the cores for that slice: decode's time per token grows by the slice
 only while prefill has work.
 
+A fixed slice is blind to what decode can spare. With `--decode-yield slack` the slice
+follows the running requests' TPOT objectives instead (`pause_budget_s`): each request
+that carries one (the gateway sends it with Decode) is ahead of its schedule by its
+objective times the tokens it has made since its first, less the time since that first
+token; the decode engine may spend half the smallest such lead per step, at most
+`SLACK_SLICE_MAX_S`, and nothing while a request in the batch still waits for its first
+token. Decode spends on prefill exactly the time its requests' objectives leave over, so
+the prefill share grows when decode runs fast and vanishes when it runs at its objective.
+
 Each prefill worker counts its prompts in hand in a shared-memory word of its own,
 ``<base>.<pid>`` (`PrefillBusy`); the decode engine's KV connector sums the words each step
 (`StepYield`), looking for new ones once a second and dropping those whose process is gone,
@@ -27,9 +36,40 @@ import time
 import psutil
 
 ENV_FILE = "PDSERVE_CORE_SHARE_FILE"
-ENV_YIELD_MS = "PDSERVE_DECODE_YIELD_MS"
+ENV_YIELD_MS = "PDSERVE_DECODE_YIELD_MS"  # milliseconds per step, or SLACK
+SLACK = "slack"
 RESCAN_S = 1.0
+# Slack mode: the share of the smallest lead spent in one step, the most one step yields,
+# and the least worth a sleep.
+SLACK_SHARE = 0.5
+SLACK_SLICE_MAX_S = 0.1
+SLACK_SLICE_MIN_S = 0.001
 _WORD = struct.Struct("<q")
+
+
+def slack_mode_from_env() -> bool:
+    return bool(os.environ.get(ENV_FILE)) and os.environ.get(ENV_YIELD_MS) == SLACK
+
+
+def pause_budget_s(now_s: float, running: list[tuple[int, float | None, float | None]]
+                   ) -> float | None:
+    """How long the decode engine may pause before this step, from the requests it runs:
+    (tokens made so far, TPOT objective in seconds or None, when the first was seen or
+    None). A request with an objective is ahead of its schedule by ``objective x (tokens -
+    1) - (now - first)``: the step after the pause still meets the next token's due time
+    if it takes no longer than the objective. Half the smallest lead, never below 0; 0 while
+    any request waits for its first token (a pause would add to its TTFT); None when no
+    request has an objective (nothing bounds the pause but the caller's cap)."""
+    budget = None
+    for made, objective_s, first_s in running:
+        if made < 1:
+            return 0.0
+        if objective_s is None or first_s is None:
+            continue
+        lead_s = objective_s * (made - 1) - (now_s - first_s)
+        share = max(SLACK_SHARE * lead_s, 0.0)
+        budget = share if budget is None else min(budget, share)
+    return budget
 
 
 def _map(path: str, create: bool) -> mmap.mmap:
@@ -82,10 +122,12 @@ class PrefillBusy:
 
 
 class StepYield:
-    """The decode side: ``pause()`` at each step sleeps ``yield_s`` while any prefill
-    worker on these cores has prompts in hand."""
+    """The decode side: ``pause()`` at each step sleeps while any prefill worker on these
+    cores has prompts in hand: ``yield_s`` (fixed), or in slack mode (``yield_s`` None) the
+    step's budget (`pause_budget_s`), at most SLACK_SLICE_MAX_S."""
 
-    def __init__(self, base: str, yield_s: float, sleep=time.sleep, clock=time.monotonic) -> None:
+    def __init__(self, base: str, yield_s: float | None, sleep=time.sleep,
+                 clock=time.monotonic) -> None:
         self._base = base
         self.yield_s = yield_s
         self._sleep = sleep
@@ -96,9 +138,11 @@ class StepYield:
     @classmethod
     def from_env(cls) -> StepYield | None:
         base, ms = os.environ.get(ENV_FILE), os.environ.get(ENV_YIELD_MS)
-        if not base or not ms or float(ms) <= 0:
+        if not base or not ms:
             return None
-        return cls(base, float(ms) / 1000)
+        if ms == SLACK:
+            return cls(base, None)
+        return cls(base, float(ms) / 1000) if float(ms) > 0 else None
 
     def _rescan(self) -> None:
         present = set()
@@ -125,9 +169,16 @@ class StepYield:
             self._rescan()
         return sum(_WORD.unpack_from(word)[0] for _, word in self._words.values())
 
-    def pause(self) -> bool:
-        """Sleeps the slice if prefill has prompts in hand; whether it did."""
+    def pause(self, budget_s: float | None = None) -> float:
+        """Sleeps the slice if prefill has prompts in hand; the seconds it slept. Slack mode
+        takes the step's budget (None: no request bounds it)."""
+        if self.yield_s is not None:
+            slice_s = self.yield_s
+        else:
+            slice_s = SLACK_SLICE_MAX_S if budget_s is None else min(budget_s, SLACK_SLICE_MAX_S)
+            if slice_s < SLACK_SLICE_MIN_S:
+                return 0.0
         if self.prefill_busy() <= 0:
-            return False
-        self._sleep(self.yield_s)
-        return True
+            return 0.0
+        self._sleep(slice_s)
+        return slice_s

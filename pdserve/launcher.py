@@ -280,8 +280,11 @@ def build_stack(args) -> Stack:
                                   *(["--json-logs"] if args.json_logs else [])])]
     on_gpus = gpus.assign(gpus.visible_gpus(), args.prefill, args.decode)
     core_share_env = {}  # engines on GPUs share no cores
-    if on_gpus is None and args.cores == "shared" and args.decode_yield_ms > 0:
-        core_share_env = {coreshare.ENV_FILE: core_share_path(), coreshare.ENV_YIELD_MS: str(args.decode_yield_ms)}
+    if args.decode_yield == "slack" and args.decode_yield_ms:
+        raise ValueError("--decode-yield slack sizes the slice itself: drop --decode-yield-ms")
+    yield_ms = coreshare.SLACK if args.decode_yield == "slack" else args.decode_yield_ms or None
+    if on_gpus is None and args.cores == "shared" and yield_ms is not None:
+        core_share_env = {coreshare.ENV_FILE: core_share_path(), coreshare.ENV_YIELD_MS: str(yield_ms)}
     for role, count, cpus, offset in (("prefill", args.prefill, prefill_cpus, 1),
                                       ("decode", args.decode, decode_cpus, 1 + args.prefill)):
         for i in range(count):

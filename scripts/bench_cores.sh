@@ -9,7 +9,10 @@
 # every core, prefill at idle CPU priority: the default) and `shared-normal` (both on every
 # core at normal priority: what OpenMP threads do when another engine takes their core);
 # `shared-yieldN` is `shared` with the decode engine yielding N ms per step while prefill
-# has work (--decode-yield-ms N). CANDIDATES="shared split shared-yield15" picks some.
+# has work (--decode-yield-ms N), `shared-slack` with the decode engine yielding what its
+# requests' TPOT objectives leave over (--decode-yield slack). CANDIDATES="shared split
+# shared-yield15" picks some; a candidate named twice runs twice (alternate them for an
+# A/B on a drifting machine), its second result in <candidate>-2.json.
 # SLOs: --slo-ttft-s/--slo-tpot-s from the environment (SLO_TTFT_S, SLO_TPOT_S), default
 # 15 s / 0.075 s. Writes OUT_DIR/<candidate>.json (`pdserve bench run --json`).
 set -euo pipefail
@@ -22,6 +25,8 @@ port=$($py -c 'from pdserve.launcher import free_port; print(free_port())')
 
 run_candidate() {  # name, extra `pdserve up` flags...
   local name=$1; shift
+  local k=2 base=$name
+  while [ -e "$out/$name.json" ]; do name=$base-$k; k=$((k + 1)); done
   echo "[cores] $name: starting pdserve up $*" >&2
   local metrics
   metrics=$($py -c 'from pdserve.launcher import free_port_block; print(free_port_block(3))')
@@ -45,6 +50,7 @@ for candidate in ${CANDIDATES:-shared split shared-normal}; do
     split) run_candidate split --cores split ;;
     shared-normal) run_candidate shared-normal --cores shared --prefill-sched normal ;;
     shared-yield*) run_candidate "$candidate" --cores shared --decode-yield-ms "${candidate#shared-yield}" ;;
+    shared-slack) run_candidate shared-slack --cores shared --decode-yield slack ;;
     *) echo "[cores] unknown candidate $candidate" >&2; exit 2 ;;
   esac
 done

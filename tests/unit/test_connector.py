@@ -95,6 +95,43 @@ def test_consumer_without_external_tokens_records_nothing():
     assert c.request_finished(req, [1, 2, 3]) == (False, {"num_external_tokens": 0})
 
 
+def test_slack_mode_budgets_each_step_by_the_running_requests_tpot_objectives(monkeypatch):
+    """`--decode-yield slack`, scheduler half: the metadata carries half the smallest lead
+    of the scheduled requests with an objective, 0 while a prompt starts in the step."""
+    import kvtransfer.connector as module
+    from kvtransfer import coreshare
+
+    monkeypatch.setenv(coreshare.ENV_FILE, "/dev/shm/pdserve-test-unused")
+    monkeypatch.setenv(coreshare.ENV_YIELD_MS, coreshare.SLACK)
+    now = [100.0]
+    monkeypatch.setattr(module, "time", SimpleNamespace(monotonic=lambda: now[0]))
+    c = connector(KVConnectorRole.SCHEDULER, "kv_consumer")
+    r1 = fake_request("r1", params={module.TPOT_KEY: 0.1})
+    r2 = fake_request("r2")  # no objective
+    r1.num_output_tokens = r2.num_output_tokens = 0
+    c.on_new_request(r1)
+    c.on_new_request(r2)
+
+    def step(at, new=()):
+        now[0] = at
+        return c.build_connector_meta(SimpleNamespace(
+            num_scheduled_tokens={"r1": 1, "r2": 1}, scheduled_new_reqs=list(new))).yield_budget_s
+
+    budgets = [step(100.0, new=["r1", "r2"])]  # their prompts run in this step
+    r1.num_output_tokens = r2.num_output_tokens = 1
+    budgets.append(step(100.05))  # r1's first token seen now: no lead yet
+    r1.num_output_tokens = 11
+    budgets.append(step(100.55))  # 10 more in 0.5 s against 1.0 s allowed: lead 0.5 s
+    c.request_finished(r1, [])
+    budgets.append(step(100.6))  # r2 alone has no objective: nothing bounds the pause
+    assert budgets == [0.0, 0.0, pytest.approx(0.25), None]
+
+    monkeypatch.delenv(coreshare.ENV_YIELD_MS)
+    plain = connector(KVConnectorRole.SCHEDULER, "kv_consumer")
+    plain.on_new_request(r1)
+    assert plain.build_connector_meta(SimpleNamespace(num_scheduled_tokens={"r1": 1})).yield_budget_s is None
+
+
 # ---- producer, scheduler half ----
 
 

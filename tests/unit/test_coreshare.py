@@ -11,7 +11,8 @@ import uuid
 
 import pytest
 
-from kvtransfer.coreshare import ENV_FILE, ENV_YIELD_MS, PrefillBusy, StepYield, remove_words
+from kvtransfer.coreshare import (ENV_FILE, ENV_YIELD_MS, SLACK_SLICE_MAX_S, PrefillBusy, StepYield,
+                                  pause_budget_s, remove_words, slack_mode_from_env)
 
 
 class Clock:
@@ -33,19 +34,19 @@ def base():
 def test_decode_yields_only_while_prefill_has_prompts_in_hand(base):
     slept, clock = [], Clock()
     decode = StepYield(base, 0.015, sleep=slept.append, clock=clock)
-    assert decode.pause() is False  # no prefill worker yet: no word, nothing in hand
+    assert decode.pause() == 0.0  # no prefill worker yet: no word, nothing in hand
     busy = PrefillBusy(base)
-    assert decode.pause() is False  # not seen until the next scan, and empty anyway
+    assert decode.pause() == 0.0  # not seen until the next scan, and empty anyway
     busy.enter()
     busy.enter()
     assert decode.prefill_busy() == 0  # a second has not passed: the word is not known yet
     clock.now = 1.0
-    assert decode.prefill_busy() == 2 and decode.pause() is True
+    assert decode.prefill_busy() == 2 and decode.pause() == 0.015
     busy.leave()
-    assert decode.pause() is True
+    assert decode.pause(budget_s=0.0) == 0.015  # a fixed slice takes no budget
     busy.leave()
     busy.leave()  # never below zero
-    assert decode.prefill_busy() == 0 and decode.pause() is False
+    assert decode.prefill_busy() == 0 and decode.pause() == 0.0
     assert slept == [0.015, 0.015]
     busy.close()
     assert not os.path.exists(busy.path)
@@ -83,8 +84,41 @@ def test_from_env_needs_both_the_base_and_a_positive_yield(base, monkeypatch):
     assert StepYield.from_env() is None and PrefillBusy.from_env() is None
     monkeypatch.setenv(ENV_FILE, base)
     assert StepYield.from_env().yield_s == pytest.approx(0.015)
+    monkeypatch.setenv(ENV_YIELD_MS, "slack")
+    assert StepYield.from_env().yield_s is None and slack_mode_from_env()
     monkeypatch.setenv(ENV_YIELD_MS, "0")
-    assert StepYield.from_env() is None
+    assert StepYield.from_env() is None and not slack_mode_from_env()
     busy = PrefillBusy.from_env()
     assert busy is not None and os.path.getsize(f"{base}.{os.getpid()}") == 8
+    busy.close()
+
+
+def test_slack_budget_is_half_the_smallest_lead_of_the_requests_with_objectives():
+    # (tokens made, TPOT objective, first token seen at); now = 10.0
+    # r1: 11 tokens at 0.1 s since 9.0: due by 10.0 for its 11th, made it: lead 0.0.
+    # r2: 21 tokens at 0.1 s since 8.5: lead 2.0 - 1.5 = 0.5 s -> 0.25.
+    # r3: no objective: bounds nothing.
+    assert pause_budget_s(10.0, [(21, 0.1, 8.5), (5, None, 9.9)]) == pytest.approx(0.25)
+    assert pause_budget_s(10.0, [(21, 0.1, 8.5), (11, 0.1, 9.0)]) == 0.0
+    # Behind schedule: no pause (never negative).
+    assert pause_budget_s(10.0, [(3, 0.1, 9.0)]) == 0.0
+    # A request still waiting for its first token in the batch: no pause at all.
+    assert pause_budget_s(10.0, [(21, 0.1, 8.5), (0, 0.1, None)]) == 0.0
+    # Nothing with an objective: unbounded (the slice cap applies).
+    assert pause_budget_s(10.0, [(7, None, None)]) is None and pause_budget_s(10.0, []) is None
+
+
+def test_slack_mode_sleeps_the_budget_capped_and_skips_crumbs(base):
+    slept, clock = [], Clock()
+    decode = StepYield(base, None, sleep=slept.append, clock=clock)
+    busy = PrefillBusy(base)
+    busy.enter()
+    clock.now = 1.0
+    assert decode.pause(0.03) == 0.03
+    assert decode.pause(None) == SLACK_SLICE_MAX_S  # no request bounds it
+    assert decode.pause(5.0) == SLACK_SLICE_MAX_S
+    assert decode.pause(0.0005) == 0.0  # under a millisecond: not worth a sleep
+    busy.leave()
+    assert decode.pause(0.03) == 0.0  # prefill has nothing in hand
+    assert slept == [0.03, SLACK_SLICE_MAX_S, SLACK_SLICE_MAX_S]
     busy.close()

@@ -177,8 +177,11 @@ def test_a_decode_yield_gives_both_workers_one_core_share_word(monkeypatch):
     for name in ("prefill", "decode"):
         assert envs[name] == {coreshare.ENV_FILE: word, coreshare.ENV_YIELD_MS: "15.0"}
     assert coreshare.ENV_FILE not in envs["gateway"]
+    stack = build_stack(up_args(argv=["--decode-yield", "slack"]))
+    assert {c.name: c.env_overrides.get(coreshare.ENV_YIELD_MS) for c in stack.children} == {
+        "gateway": None, "prefill": "slack", "decode": "slack"}
     # Off by default, and meaningless with a core each.
-    for argv in ([], ["--cores", "split", "--decode-yield-ms", "15"]):
+    for argv in ([], ["--cores", "split", "--decode-yield-ms", "15"], ["--cores", "split", "--decode-yield", "slack"]):
         stack = build_stack(up_args(argv=argv))
         assert stack.core_share_file is None
         assert all(coreshare.ENV_FILE not in c.env_overrides for c in stack.children)

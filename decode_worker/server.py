@@ -8,14 +8,18 @@ the prompt itself (short prompts, or a prefill worker that could not be reached)
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import uuid
+
+import grpc
 
 from kvtransfer.connector import LOAD_KEY, TPOT_KEY
 from kvtransfer.layout import KVHandle, LayoutMismatchError, expected_layout
 from pdserve.config import WorkerConfig
 from pdserve.engine import layout_from_proto, sampling_params, worker_info
-from pdserve.rpc import FailedPrecondition, InvalidArgument, Unavailable, rpc_errors
+from pdserve.membership import InflightInterceptor
+from pdserve.rpc import FailedPrecondition, InvalidArgument, Unavailable, rpc_errors, status_of
 from protos import worker_pb2, worker_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -24,14 +28,78 @@ SERVICE_NAME = "pdserve.worker.v1.DecodeWorker"
 
 
 class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
-    def __init__(self, engine, cfg: WorkerConfig) -> None:
+    def __init__(self, engine, cfg: WorkerConfig, inflight: InflightInterceptor | None = None) -> None:
         self._engine = engine
         self._cfg = cfg
+        # Counts each request of a DecodeStream as the interceptor counts a Decode call.
+        self._inflight = inflight or InflightInterceptor()
         self._info = worker_info(engine, cfg)
         self._layout = expected_layout(engine.vllm_config)
 
     @rpc_errors
     async def Decode(self, request: worker_pb2.DecodeRequest, context):
+        async for reply in self._replies(request):
+            yield reply
+
+    async def DecodeStream(self, requests, context):
+        """Many requests over one call (see worker.proto): each runs as a task of its own
+        and puts its replies in one outbox; every message sent carries all that the outbox
+        holds, so the requests one engine step advanced share one message."""
+        outbox: asyncio.Queue = asyncio.Queue()
+        running: dict[int, asyncio.Task] = {}
+
+        async def run(stream_id: int, request: worker_pb2.DecodeRequest) -> None:
+            self._inflight.enter()
+            try:
+                async for reply in self._replies(request):
+                    outbox.put_nowait(worker_pb2.DecodeStreamChunk(stream_id=stream_id, reply=reply))
+            except asyncio.CancelledError:
+                pass  # cancelled by the caller, or the call ended: nothing more to send
+            except Exception as e:  # noqa: BLE001 - sent as this request's status
+                code, message = status_of(e, "DecodeStream")
+                outbox.put_nowait(worker_pb2.DecodeStreamChunk(
+                    stream_id=stream_id, error_code=code.value[0], error_message=message))
+            finally:
+                running.pop(stream_id, None)
+                self._inflight.leave()
+
+        async def read() -> None:
+            try:
+                async for message in requests:
+                    action = message.WhichOneof("action")
+                    if action == "start":
+                        if message.stream_id in running:
+                            outbox.put_nowait(worker_pb2.DecodeStreamChunk(
+                                stream_id=message.stream_id, error_code=grpc.StatusCode.INVALID_ARGUMENT.value[0],
+                                error_message=f"stream_id {message.stream_id} is already running on this call"))
+                            continue
+                        running[message.stream_id] = asyncio.create_task(run(message.stream_id, message.start))
+                    elif action == "cancel" and message.stream_id in running:
+                        running[message.stream_id].cancel()
+                # The caller is done sending: finish what runs, then end the call.
+                while running:
+                    await asyncio.wait(list(running.values()))
+            finally:
+                outbox.put_nowait(None)
+
+        reader = asyncio.create_task(read())
+        try:
+            while True:
+                batch = [await outbox.get()]
+                while not outbox.empty():
+                    batch.append(outbox.get_nowait())
+                end = batch[-1] is None
+                chunks = [c for c in batch if c is not None]
+                if chunks:
+                    yield worker_pb2.DecodeStreamResponse(chunks=chunks)
+                if end:
+                    return
+        finally:
+            reader.cancel()
+            for task in list(running.values()):
+                task.cancel()
+
+    async def _replies(self, request: worker_pb2.DecodeRequest):
         from vllm.inputs import TokensPrompt
 
         token_ids = list(request.token_ids)
@@ -101,8 +169,9 @@ def handle_from_proto(msg: worker_pb2.KvHandle) -> KVHandle:
     )
 
 
-def add_servicer(server, engine, cfg: WorkerConfig) -> tuple[str, worker_pb2.WorkerInfo]:
-    servicer = DecodeServicer(engine, cfg)
+def add_servicer(server, engine, cfg: WorkerConfig,
+                 inflight: InflightInterceptor | None = None) -> tuple[str, worker_pb2.WorkerInfo]:
+    servicer = DecodeServicer(engine, cfg, inflight)
     worker_pb2_grpc.add_DecodeWorkerServicer_to_server(servicer, server)
     return SERVICE_NAME, servicer.info
 

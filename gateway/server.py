@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 import grpc
 
 from gateway import metrics
+from gateway.decode_stream import DecodeStreams
 from gateway.dispatch import ClassObjectives, Dispatcher, Grant
 from gateway.placement import PlacementConfig, Where
 from gateway.queue import ClassPolicy, Priority, RequestQueue, Ticket, deadline_precision_s
@@ -277,7 +278,12 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             request.tpot_objective_ms = max(round(ticket.tpot_slo_s * 1000), 1)
         if kv is not None:
             request.kv.CopyFrom(kv)
-        call = worker.stub.Decode(request)
+        if self._cfg.decode_stream == "per-request":
+            call = worker.stub.Decode(request)
+        else:
+            if worker.decode_streams is None:
+                worker.decode_streams = DecodeStreams(worker.stub, worker.address)
+            call = worker.decode_streams.start(request)
         last_s: float | None = None  # the first chunk's wait is a prefill or a KV load, not a step
         finished = False
         try:

@@ -22,9 +22,11 @@ import logging
 from dataclasses import dataclass, field
 
 import grpc
+from grpc_health.v1 import health_pb2_grpc
 
 from gateway.admission import (BEST_CASE_QUANTILE, JoinMeter, LatencyMeter, RatioMeter, ServiceMeter,
                                StepMeter)
+from gateway.decode_stream import DecodeStreams
 from gateway.placement import DecodeLoad, PrefillLoad, RunningRequest, decode_slack_s
 from pdserve import rpc
 from protos import worker_pb2, worker_pb2_grpc
@@ -78,6 +80,10 @@ class Worker:
     # `pdserve drain` asked them to leave (told in the next heartbeat reply).
     last_heartbeat_s: float | None = None
     reported_load: worker_pb2.WorkerLoad | None = None
+    # Made with the channel: a stub made once it is closed blocks (rpc.health_status).
+    health: health_pb2_grpc.HealthStub | None = None
+    # Decode: its DecodeStream call, shared by the requests sent to it (opened on first use).
+    decode_streams: DecodeStreams | None = None
     metrics_url: str = ""
     drain_requested: bool = False
     # Prefill: prompts and their tokens sent and unanswered, and the rate it prefills them.
@@ -318,7 +324,7 @@ class WorkerPool:
         self._check_compatibility()
 
     async def _poll(self, worker: Worker) -> None:
-        status = await rpc.health_status(worker.channel)
+        status = await rpc.health_status(worker.health)
         if status is rpc.Health.NO_ANSWER and worker.healthy:
             worker.unanswered_health_checks += 1
             if worker.unanswered_health_checks < HEALTH_CHECKS_UNANSWERED_DOWN:
@@ -372,7 +378,7 @@ class WorkerPool:
 
 def _open(role: str, address: str) -> Worker:
     channel = grpc.aio.insecure_channel(address, options=rpc.CHANNEL_OPTIONS)
-    return Worker(role, address, channel, STUBS[role](channel))
+    return Worker(role, address, channel, STUBS[role](channel), health=health_pb2_grpc.HealthStub(channel))
 
 
 def _incompatibility(a: worker_pb2.WorkerInfo, b: worker_pb2.WorkerInfo) -> str | None:

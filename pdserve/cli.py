@@ -46,6 +46,10 @@ def _policy_args(p: argparse.ArgumentParser) -> None:
                    help="longest prompt a decode worker may prefill itself when that is sooner (0: never)")
     g.add_argument("--stream-intervals", default="1,4,8",
                    help="tokens gathered into one streamed message per class (fewer messages, less CPU)")
+    g.add_argument("--decode-stream", choices=("shared", "per-request"), default="shared",
+                   help="shared: one DecodeStream call per decode worker carries every request's tokens, a "
+                        "message per engine step; per-request: a Decode call per request, a message per "
+                        "request per step")
 
 
 def policy_argv(args) -> list[str]:
@@ -54,7 +58,7 @@ def policy_argv(args) -> list[str]:
             "--class-weights", args.class_weights, "--queue-limits", args.queue_limits,
             "--aging-s", str(args.aging_s), "--prefill-queue-tokens", str(args.prefill_queue_tokens),
             "--local-prefill-max-tokens", str(args.local_prefill_max_tokens),
-            "--stream-intervals", args.stream_intervals]
+            "--stream-intervals", args.stream_intervals, "--decode-stream", args.decode_stream]
 
 
 def cmd_up(args) -> int:
@@ -133,6 +137,7 @@ def cmd_gateway(args) -> int:
         prefill_queue_tokens=args.prefill_queue_tokens,
         local_prefill_max_tokens=args.local_prefill_max_tokens,
         stream_intervals=per_class(args.stream_intervals, "--stream-intervals", int),
+        decode_stream=args.decode_stream,
         heartbeat_interval_s=args.heartbeat_interval_s,
         heartbeat_timeout_s=args.heartbeat_timeout_s,
     )

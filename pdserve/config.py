@@ -146,6 +146,9 @@ class GatewayConfig:
     # Per class: tokens a decode worker gathers into one streamed message (the first and
     # last go at once). Fewer messages cost the gateway less CPU; interactive streams get 1.
     stream_intervals: tuple[int, int, int] = (1, 4, 8)
+    # "shared": one DecodeStream call per decode worker for all requests (a message per
+    # engine step); "per-request": a Decode call each (a message per request per step).
+    decode_stream: str = "shared"
     # Registered workers heartbeat this often and leave rotation after this much silence.
     heartbeat_interval_s: float = 1.0
     heartbeat_timeout_s: float = 10.0
@@ -161,6 +164,8 @@ class GatewayConfig:
                 raise ValueError(f"{name} needs three values >= 0, got {values}")
         if len(self.class_weights) != 3 or any(w <= 0 for w in self.class_weights):
             raise ValueError(f"--class-weights needs three values > 0, got {self.class_weights}")
+        if self.decode_stream not in ("shared", "per-request"):
+            raise ValueError(f"--decode-stream is shared or per-request, got {self.decode_stream!r}")
         if len(self.stream_intervals) != 3 or any(n < 1 for n in self.stream_intervals):
             raise ValueError(f"--stream-intervals needs three values >= 1, got {self.stream_intervals}")
         if any(n < 1 for n in self.queue_limits):

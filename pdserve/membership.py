@@ -100,10 +100,17 @@ class InflightInterceptor(grpc.aio.ServerInterceptor):
 
     def _enter(self, request) -> int:
         tokens = len(request.token_ids) if isinstance(request, worker_pb2.PrefillRequest) else 0
+        self.enter(tokens)
+        return tokens
+
+    def enter(self, tokens: int = 0) -> None:
+        """One request in progress (DecodeStream counts each of its requests this way)."""
         self.num_inflight += 1
         self.num_prompt_tokens += tokens
         self.idle.clear()
-        return tokens
+
+    def leave(self, tokens: int = 0) -> None:
+        self._leave(tokens)
 
     def _leave(self, tokens: int) -> None:
         self.num_inflight -= 1

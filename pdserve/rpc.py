@@ -83,17 +83,23 @@ def retry_info_metadata(code: grpc.StatusCode, message: str, retry_after_s: floa
     return rpc_status.to_status(status).trailing_metadata
 
 
-async def _abort(context: grpc.aio.ServicerContext, e: BaseException, name: str) -> None:
-    if isinstance(e, ResourceExhausted) and e.retry_after_s is not None:
-        await context.abort(e.code, str(e), retry_info_metadata(e.code, str(e), e.retry_after_s))
+def status_of(e: BaseException, name: str) -> tuple[grpc.StatusCode, str]:
+    """The status a handler named ``name`` answers for ``e`` (a bug is logged as one)."""
     if isinstance(e, RpcError):
-        await context.abort(e.code, str(e))
+        return e.code, str(e)
     if isinstance(e, grpc.aio.AioRpcError):
         # A downstream call failed; its status says whose fault it is.
         code = e.code() if e.code() in PASS_THROUGH else grpc.StatusCode.UNAVAILABLE
-        await context.abort(code, f"{e.details()}")
-    logger.exception("bug in %s", name)
-    await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {name}: {type(e).__name__}")
+        return code, f"{e.details()}"
+    logger.exception("bug in %s", name, exc_info=e)
+    return grpc.StatusCode.INTERNAL, f"internal error in {name}: {type(e).__name__}"
+
+
+async def _abort(context: grpc.aio.ServicerContext, e: BaseException, name: str) -> None:
+    code, message = status_of(e, name)
+    if isinstance(e, ResourceExhausted) and e.retry_after_s is not None:
+        await context.abort(code, message, retry_info_metadata(code, message, e.retry_after_s))
+    await context.abort(code, message)
 
 
 def rpc_errors(handler: F) -> F:
@@ -173,8 +179,12 @@ class Health(enum.Enum):
     NO_ANSWER = "no answer"  # alive or not, it did not answer in time
 
 
-async def health_status(channel: grpc.aio.Channel, service: str = "", timeout_s: float = 2.0) -> Health:
-    stub = health_pb2_grpc.HealthStub(channel)
+async def health_status(channel: grpc.aio.Channel | health_pb2_grpc.HealthStub, service: str = "",
+                        timeout_s: float = 2.0) -> Health:
+    """Asks ``channel`` (or a HealthStub made while its channel was open: a stub made on a
+    closed channel blocked the whole process in grpcio 1.85's method registration, seen when
+    the gateway polled a replaced worker)."""
+    stub = channel if isinstance(channel, health_pb2_grpc.HealthStub) else health_pb2_grpc.HealthStub(channel)
     try:
         reply = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)
     except grpc.aio.AioRpcError as e:

@@ -37,7 +37,7 @@ KV_OWNER_EXIT_WAIT_S = 5.0
 
 # (server, engine, cfg) -> the gRPC service's full name (for health and reflection) and
 # what the worker serves (WorkerInfo, for the registry).
-AddServicer = Callable[[Any, Any, WorkerConfig], tuple[str, Any]]
+AddServicer = Callable[[Any, Any, WorkerConfig, Any], tuple[str, Any]]  # server, engine, cfg, inflight
 
 
 def run_worker(cfg: WorkerConfig, add_servicer: AddServicer, background: Callable[..., Awaitable[None]] | None = None) -> int:
@@ -159,7 +159,7 @@ async def _serve(cfg: WorkerConfig, add_servicer: AddServicer, background) -> No
     engine = _start_engine(cfg, [load_logger_factory(engine_load)])
     inflight = InflightInterceptor()
     server = grpc.aio.server(options=rpc.CHANNEL_OPTIONS, interceptors=[inflight])
-    service_name, info = add_servicer(server, engine, cfg)
+    service_name, info = add_servicer(server, engine, cfg, inflight)
     health = rpc.add_standard_services(server, [service_name])
     port = rpc.bind(server, cfg.host, cfg.port)
     if cfg.metrics_port is not None:

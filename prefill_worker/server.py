@@ -154,7 +154,7 @@ async def sweep_leases(cfg: WorkerConfig) -> None:
         drop_leases(cfg.worker_id)  # shutting down: the cache they name goes with this worker
 
 
-def add_servicer(server, engine, cfg: WorkerConfig) -> tuple[str, worker_pb2.WorkerInfo]:
+def add_servicer(server, engine, cfg: WorkerConfig, inflight=None) -> tuple[str, worker_pb2.WorkerInfo]:
     from kvtransfer.shm import has_shared_cache
 
     if "shm" in cfg.kv_transports and not has_shared_cache(cfg.worker_id):

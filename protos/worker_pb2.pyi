@@ -154,6 +154,34 @@ class DecodeResponse(_message.Message):
     num_cached_tokens: int
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., num_external_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
 
+class DecodeStreamRequest(_message.Message):
+    __slots__ = ("stream_id", "start", "cancel")
+    STREAM_ID_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
+    stream_id: int
+    start: DecodeRequest
+    cancel: bool
+    def __init__(self, stream_id: _Optional[int] = ..., start: _Optional[_Union[DecodeRequest, _Mapping]] = ..., cancel: _Optional[bool] = ...) -> None: ...
+
+class DecodeStreamChunk(_message.Message):
+    __slots__ = ("stream_id", "reply", "error_code", "error_message")
+    STREAM_ID_FIELD_NUMBER: _ClassVar[int]
+    REPLY_FIELD_NUMBER: _ClassVar[int]
+    ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    stream_id: int
+    reply: DecodeResponse
+    error_code: int
+    error_message: str
+    def __init__(self, stream_id: _Optional[int] = ..., reply: _Optional[_Union[DecodeResponse, _Mapping]] = ..., error_code: _Optional[int] = ..., error_message: _Optional[str] = ...) -> None: ...
+
+class DecodeStreamResponse(_message.Message):
+    __slots__ = ("chunks",)
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    chunks: _containers.RepeatedCompositeFieldContainer[DecodeStreamChunk]
+    def __init__(self, chunks: _Optional[_Iterable[_Union[DecodeStreamChunk, _Mapping]]] = ...) -> None: ...
+
 class RegisterRequest(_message.Message):
     __slots__ = ("info", "address", "metrics_url")
     INFO_FIELD_NUMBER: _ClassVar[int]

@@ -200,6 +200,11 @@ class DecodeWorkerStub:
                 request_serializer=protos_dot_worker__pb2.DecodeRequest.SerializeToString,
                 response_deserializer=protos_dot_worker__pb2.DecodeResponse.FromString,
                 _registered_method=True)
+        self.DecodeStream = channel.stream_stream(
+                '/pdserve.worker.v1.DecodeWorker/DecodeStream',
+                request_serializer=protos_dot_worker__pb2.DecodeStreamRequest.SerializeToString,
+                response_deserializer=protos_dot_worker__pb2.DecodeStreamResponse.FromString,
+                _registered_method=True)
         self.Info = channel.unary_unary(
                 '/pdserve.worker.v1.DecodeWorker/Info',
                 request_serializer=protos_dot_worker__pb2.InfoRequest.SerializeToString,
@@ -219,6 +224,16 @@ class DecodeWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DecodeStream(self, request_iterator, context):
+        """Many Decodes over one call, the gateway's: it starts and cancels requests, and each
+        response carries the new tokens of every request that has some, so an engine step
+        costs one message each way however many requests it advanced (Decode costs one per
+        request). A request's error ends that request only; the call ending ends them all.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Info(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -232,6 +247,11 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
                     servicer.Decode,
                     request_deserializer=protos_dot_worker__pb2.DecodeRequest.FromString,
                     response_serializer=protos_dot_worker__pb2.DecodeResponse.SerializeToString,
+            ),
+            'DecodeStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.DecodeStream,
+                    request_deserializer=protos_dot_worker__pb2.DecodeStreamRequest.FromString,
+                    response_serializer=protos_dot_worker__pb2.DecodeStreamResponse.SerializeToString,
             ),
             'Info': grpc.unary_unary_rpc_method_handler(
                     servicer.Info,
@@ -266,6 +286,33 @@ class DecodeWorker:
             '/pdserve.worker.v1.DecodeWorker/Decode',
             protos_dot_worker__pb2.DecodeRequest.SerializeToString,
             protos_dot_worker__pb2.DecodeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DecodeStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/pdserve.worker.v1.DecodeWorker/DecodeStream',
+            protos_dot_worker__pb2.DecodeStreamRequest.SerializeToString,
+            protos_dot_worker__pb2.DecodeStreamResponse.FromString,
             options,
             channel_credentials,
             insecure,

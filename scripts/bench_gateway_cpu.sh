@@ -6,6 +6,7 @@
 #   scripts/bench_gateway_cpu.sh [BEFORE_REV] [OUT_DIR]
 #   defaults:                    1c07105     bench-results/gateway-cpu
 #   scripts/bench_gateway_cpu.sh --intervals [OUT_DIR]
+#   scripts/bench_gateway_cpu.sh --decode-stream [OUT_DIR]
 #
 # The "before" revision runs from a temporary git worktree with this checkout's venv; the
 # benchmark client is always this checkout's. Writes OUT_DIR/{before,after}.json.
@@ -13,10 +14,16 @@
 # message (the default) and four (`--stream-intervals 4,4,8`); writes
 # OUT_DIR/{interval1,interval4}.json. `python -m pdserve.bench.grpc_floor` gives the
 # floor of the same message counts through a bare grpc.aio relay.
+# --decode-stream: this checkout twice, the gateway taking each request's tokens over a
+# Decode call of its own (`--decode-stream per-request`) and over the decode worker's one
+# shared DecodeStream call (`shared`, the default); OUT_DIR/{per-request,shared}.json.
+# Each run also reports the decode worker's front-end process (gRPC and vLLM's AsyncLLM,
+# not its engine's processes) per token.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mode=revisions
 if [[ ${1:-} == --intervals ]]; then mode=intervals; shift; out=${1:-bench-results/gateway-cpu}
+elif [[ ${1:-} == --decode-stream ]]; then mode=decode-stream; shift; out=${1:-bench-results/gateway-cpu}
 else before_rev=${1:-1c07105}; out=${2:-bench-results/gateway-cpu}; fi
 # Absolute, without resolving links: a venv's python is a link to the system one, and only
 # through the venv's path does it find the venv's packages.
@@ -40,12 +47,14 @@ measure() {  # name, source tree, extra `pdserve up` arguments
   grep -q '^pdserve ready' "bench-logs/gateway-cpu-$name.log" || { kill -TERM $up; echo "[gateway-cpu] $name did not start" >&2; exit 1; }
   # The gateway's process tree (the gateway and its tokenizer pool), read the same way for
   # both revisions: the "before" gateway exports no pool CPU.
-  local cpu0
+  local cpu0 dcpu0
   cpu0=$(gateway_tree_cpu $up)
+  dcpu0=$(decode_front_cpu $up)
   PYTHONPATH="$root" $py -m pdserve.cli bench run --target "127.0.0.1:$port" --concurrency 64 \
       --num-requests 128 --warmup 0 --input-len-range 16:32 --output-len-range 128:128 \
       --gateway-metrics "127.0.0.1:$mport" --json "$out/$name.json" >&2 || true
   echo "$(gateway_tree_cpu $up) - $cpu0" | bc > "$out/$name.tree_cpu_s"
+  echo "$(decode_front_cpu $up) - $dcpu0" | bc > "$out/$name.decode_cpu_s"
   kill -TERM $up; wait $up || true
 }
 
@@ -59,7 +68,20 @@ print(sum(p.cpu_times().user + p.cpu_times().system for p in procs))
 PY
 }
 
-if [[ $mode == intervals ]]; then
+decode_front_cpu() {  # pid of `pdserve up` -> CPU seconds of its decode worker's own process
+  $py - "$1" <<'PY'
+import sys, psutil
+up = psutil.Process(int(sys.argv[1]))
+worker = next(p for p in up.children() if "decode" in p.cmdline()[3:5])
+print(worker.cpu_times().user + worker.cpu_times().system)
+PY
+}
+
+if [[ $mode == decode-stream ]]; then
+  names="per-request shared"
+  measure per-request "$root" --decode-stream per-request
+  measure shared "$root" --decode-stream shared
+elif [[ $mode == intervals ]]; then
   names="interval1 interval4"
   measure interval1 "$root"
   measure interval4 "$root" --stream-intervals 4,4,8
@@ -77,7 +99,11 @@ for name in sys.argv[2:]:
     run = json.loads((out / f"{name}.json").read_text())["runs"][0]
     tokens = run["summary"]["output_tokens"]
     tree_s = float((out / f"{name}.tree_cpu_s").read_text())
+    decode = out / f"{name}.decode_cpu_s"
+    decode_s = float(decode.read_text()) if decode.exists() and decode.read_text().strip() else None
     print(f"{name}: {tree_s / tokens * 1e6:.0f} us of gateway+pool CPU per generated token "
           f"({tree_s:.1f} s / {tokens} tokens, process tree); /metrics says "
-          f"{json.dumps(run.get('gateway_cpu'))}; output {run['summary']['output_tok_s']:.1f} tok/s")
+          f"{json.dumps(run.get('gateway_cpu'))}; decode worker's front end "
+          + ("-" if decode_s is None else f"{decode_s / tokens * 1e6:.0f} us per token ({decode_s:.1f} s)")
+          + f"; output {run['summary']['output_tok_s']:.1f} tok/s")
 PY

@@ -262,7 +262,7 @@ class PdConnector(KVConnectorBase_V1):
         for request_id in scheduler_output.num_scheduled_tokens:
             entry = self._objectives.get(request_id)
             if entry is None:
-                continue  # no TPOT objective: it bounds nothing
+                return 0.0  # no TPOT objective: nothing says what a pause would cost it
             request, objective_s, first_s = entry
             made = request.num_output_tokens
             if made >= 1 and first_s is None:

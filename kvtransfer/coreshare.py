@@ -12,9 +12,9 @@ A fixed slice is blind to what decode can spare. With `--decode-yield slack` the
 follows the running requests' TPOT objectives instead (`pause_budget_s`): each request
 that carries one (the gateway sends it with Decode) is ahead of its schedule by its
 objective times the tokens it has made since its first, less the time since that first
-token; the decode engine may spend half the smallest such lead per step, at most
+token; the decode engine may spend SLACK_SHARE of the smallest such lead per step, at most
 `SLACK_SLICE_MAX_S`, and nothing while a request in the batch still waits for its first
-token. Decode spends on prefill exactly the time its requests' objectives leave over, so
+token or has no objective. Decode spends on prefill exactly the time its requests' objectives leave over, so
 the prefill share grows when decode runs fast and vanishes when it runs at its objective.
 
 Each prefill worker counts its prompts in hand in a shared-memory word of its own,
@@ -41,8 +41,8 @@ SLACK = "slack"
 RESCAN_S = 1.0
 # Slack mode: the share of the smallest lead spent in one step, the most one step yields,
 # and the least worth a sleep.
-SLACK_SHARE = 0.5
-SLACK_SLICE_MAX_S = 0.1
+SLACK_SHARE = 0.8
+SLACK_SLICE_MAX_S = 0.5
 SLACK_SLICE_MIN_S = 0.001
 _WORD = struct.Struct("<q")
 
@@ -57,14 +57,14 @@ def pause_budget_s(now_s: float, running: list[tuple[int, float | None, float | 
     (tokens made so far, TPOT objective in seconds or None, when the first was seen or
     None). A request with an objective is ahead of its schedule by ``objective x (tokens -
     1) - (now - first)``: the step after the pause still meets the next token's due time
-    if it takes no longer than the objective. Half the smallest lead, never below 0; 0 while
-    any request waits for its first token (a pause would add to its TTFT); None when no
-    request has an objective (nothing bounds the pause but the caller's cap)."""
+    if it takes no longer than the objective. SLACK_SHARE of the smallest lead, never below
+    0; 0 while any request waits for its first token (a pause would add to its TTFT) or has
+    no objective (nothing says what it tolerates); None when nothing runs."""
     budget = None
     for made, objective_s, first_s in running:
-        if made < 1:
+        if made < 1 or objective_s is None:
             return 0.0
-        if objective_s is None or first_s is None:
+        if first_s is None:
             continue
         lead_s = objective_s * (made - 1) - (now_s - first_s)
         share = max(SLACK_SHARE * lead_s, 0.0)
@@ -124,7 +124,7 @@ class PrefillBusy:
 class StepYield:
     """The decode side: ``pause()`` at each step sleeps while any prefill worker on these
     cores has prompts in hand: ``yield_s`` (fixed), or in slack mode (``yield_s`` None) the
-    step's budget (`pause_budget_s`), at most SLACK_SLICE_MAX_S."""
+    step's budget (`pause_budget_s`; None: nothing runs), at most SLACK_SLICE_MAX_S."""
 
     def __init__(self, base: str, yield_s: float | None, sleep=time.sleep,
                  clock=time.monotonic) -> None:

@@ -206,9 +206,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "the cores for that slice (0: never)")
     p.add_argument("--decode-yield", choices=("off", "slack"), default="off",
                    help="with --cores shared: slack: while the prefill worker has prompts in hand, the "
-                        "decode engine pauses each step for half of what its running requests' TPOT "
-                        "objectives leave over, at most 100 ms (kvtransfer.coreshare); needs objectives "
-                        "(--slo-tpot-ms or the requests' slo); not with --decode-yield-ms")
+                        "decode engine pauses each step for 80% of what its running requests' TPOT "
+                        "objectives leave over, at most 500 ms, none while a request without an objective "
+                        "runs (kvtransfer.coreshare; objectives from --slo-tpot-ms or the requests' slo); "
+                        "not with --decode-yield-ms")
     p.add_argument("--json-logs", action="store_true")
     _policy_args(p)
     p.set_defaults(func=cmd_up)

@@ -96,8 +96,9 @@ def test_consumer_without_external_tokens_records_nothing():
 
 
 def test_slack_mode_budgets_each_step_by_the_running_requests_tpot_objectives(monkeypatch):
-    """`--decode-yield slack`, scheduler half: the metadata carries half the smallest lead
-    of the scheduled requests with an objective, 0 while a prompt starts in the step."""
+    """`--decode-yield slack`, scheduler half: the metadata carries a share of the smallest
+    lead of the scheduled requests, 0 while a prompt starts in the step or a request without
+    an objective runs."""
     import kvtransfer.connector as module
     from kvtransfer import coreshare
 
@@ -114,17 +115,22 @@ def test_slack_mode_budgets_each_step_by_the_running_requests_tpot_objectives(mo
 
     def step(at, new=()):
         now[0] = at
+        running = {r.request_id: 1 for r in (r1, r2) if r.request_id not in finished}
         return c.build_connector_meta(SimpleNamespace(
-            num_scheduled_tokens={"r1": 1, "r2": 1}, scheduled_new_reqs=list(new))).yield_budget_s
+            num_scheduled_tokens=running, scheduled_new_reqs=list(new))).yield_budget_s
+
+    finished = set()
+    real_finished = c.request_finished
+    c.request_finished = lambda r, blocks: (finished.add(r.request_id), real_finished(r, blocks))[1]
 
     budgets = [step(100.0, new=["r1", "r2"])]  # their prompts run in this step
     r1.num_output_tokens = r2.num_output_tokens = 1
     budgets.append(step(100.05))  # r1's first token seen now: no lead yet
     r1.num_output_tokens = 11
-    budgets.append(step(100.55))  # 10 more in 0.5 s against 1.0 s allowed: lead 0.5 s
-    c.request_finished(r1, [])
-    budgets.append(step(100.6))  # r2 alone has no objective: nothing bounds the pause
-    assert budgets == [0.0, 0.0, pytest.approx(0.25), None]
+    budgets.append(step(100.55))  # 10 more in 0.5 s against 1.0 s allowed, but r2 has none
+    c.request_finished(r2, [])
+    budgets.append(step(100.55))  # r1 alone: lead 0.5 s
+    assert budgets == [0.0, 0.0, 0.0, pytest.approx(0.4)]
 
     monkeypatch.delenv(coreshare.ENV_YIELD_MS)
     plain = connector(KVConnectorRole.SCHEDULER, "kv_consumer")

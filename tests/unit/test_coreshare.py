@@ -93,19 +93,21 @@ def test_from_env_needs_both_the_base_and_a_positive_yield(base, monkeypatch):
     busy.close()
 
 
-def test_slack_budget_is_half_the_smallest_lead_of_the_requests_with_objectives():
+def test_slack_budget_is_a_share_of_the_smallest_lead():
     # (tokens made, TPOT objective, first token seen at); now = 10.0
     # r1: 11 tokens at 0.1 s since 9.0: due by 10.0 for its 11th, made it: lead 0.0.
-    # r2: 21 tokens at 0.1 s since 8.5: lead 2.0 - 1.5 = 0.5 s -> 0.25.
-    # r3: no objective: bounds nothing.
-    assert pause_budget_s(10.0, [(21, 0.1, 8.5), (5, None, 9.9)]) == pytest.approx(0.25)
+    # r2: 21 tokens at 0.1 s since 8.5: lead 2.0 - 1.5 = 0.5 s -> 0.8 x 0.5 = 0.4.
+    # r3: 41 tokens at 0.05 s since 9.0: lead 2.0 - 1.0 = 1.0 s.
+    assert pause_budget_s(10.0, [(21, 0.1, 8.5), (41, 0.05, 9.0)]) == pytest.approx(0.4)
     assert pause_budget_s(10.0, [(21, 0.1, 8.5), (11, 0.1, 9.0)]) == 0.0
     # Behind schedule: no pause (never negative).
     assert pause_budget_s(10.0, [(3, 0.1, 9.0)]) == 0.0
-    # A request still waiting for its first token in the batch: no pause at all.
+    # A request still waiting for its first token, or one without an objective: none.
     assert pause_budget_s(10.0, [(21, 0.1, 8.5), (0, 0.1, None)]) == 0.0
-    # Nothing with an objective: unbounded (the slice cap applies).
-    assert pause_budget_s(10.0, [(7, None, None)]) is None and pause_budget_s(10.0, []) is None
+    assert pause_budget_s(10.0, [(21, 0.1, 8.5), (5, None, 9.9)]) == 0.0
+    # Its first token seen only now: no lead yet, but nothing against the others' either.
+    assert pause_budget_s(10.0, [(21, 0.1, 8.5), (1, 0.1, None)]) == pytest.approx(0.4)
+    assert pause_budget_s(10.0, []) is None
 
 
 def test_slack_mode_sleeps_the_budget_capped_and_skips_crumbs(base):

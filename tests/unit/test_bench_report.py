@@ -127,14 +127,21 @@ def _alive(pid: int) -> bool:
         return f.read().rsplit(")", 1)[1].split()[0] != "Z"
 
 
-def test_server_process_waits_for_ready_and_leaves_nothing(tmp_path):
+def fake_server(tmp_path, stop_grace_s: float) -> ServerProcess:
     port = free_port()
     spec = ServerSpec("fake", [sys.executable, "-c", SERVER, str(port)],
-                      ready_pattern=rf"\bready\b.*:{port}\b", stop_grace_s=2)
-    with ServerProcess(spec, tmp_path / "fake.log") as server:
-        leader = server._proc.pid
-        child = int(next(line.split()[1] for line in server.tail().splitlines()
-                         if line.startswith("child")))
+                      ready_pattern=rf"\bready\b.*:{port}\b", stop_grace_s=stop_grace_s)
+    return ServerProcess(spec, tmp_path / "fake.log")
+
+
+def leader_and_child(server: ServerProcess) -> tuple[int, int]:
+    return server._proc.pid, int(next(line.split()[1] for line in server.tail().splitlines()
+                                      if line.startswith("child")))
+
+
+def test_server_process_waits_for_ready_and_leaves_nothing(tmp_path):
+    with fake_server(tmp_path, stop_grace_s=2) as server:
+        leader, child = leader_and_child(server)
         assert _alive(leader) and _alive(child)
         assert server.boot_s is not None
     deadline = time.monotonic() + 5
@@ -160,13 +167,8 @@ def test_a_frozen_server_and_its_descendants_stop_until_thawed_and_still_stop_cl
     """`--idle-systems freeze`: SIGSTOP reaches the grandchild in a session of its own
     too; thawed, all run again; a server stopped while frozen still ends at SIGTERM (a
     stopped process does not act on it until continued)."""
-    port = free_port()
-    spec = ServerSpec("fake", [sys.executable, "-c", SERVER, str(port)],
-                      ready_pattern=rf"\bready\b.*:{port}\b", stop_grace_s=10)
-    with ServerProcess(spec, tmp_path / "fake.log") as server:
-        leader = server._proc.pid
-        child = int(next(line.split()[1] for line in server.tail().splitlines()
-                         if line.startswith("child")))
+    with fake_server(tmp_path, stop_grace_s=10) as server:
+        leader, child = leader_and_child(server)
         server.freeze()
         frozen = [_wait_state(leader, True), _wait_state(child, True)]
         server.thaw()

@@ -115,8 +115,8 @@ class PdConnectorMetadata(KVConnectorMetadata):
     # The step computes nothing: the engine runs it only to learn which leases ended.
     idle: bool = False
     # `--decode-yield slack`: what the running requests' TPOT objectives let this step
-    # pause for (coreshare.pause_budget_s; None: nothing bounds it).
-    yield_budget_s: float | None = None
+    # pause for (coreshare.pause_budget_s).
+    yield_budget_s: float = 0.0
 
 
 # A producer holding leases keeps its engine stepping (vLLM polls get_finished each step);
@@ -254,7 +254,7 @@ class PdConnector(KVConnectorBase_V1):
             del self._pending_saves[request_id]
         return meta
 
-    def _yield_budget_s(self, scheduler_output: SchedulerOutput) -> float | None:
+    def _yield_budget_s(self, scheduler_output: SchedulerOutput) -> float:
         if scheduler_output.scheduled_new_reqs:
             return 0.0  # a prompt starts in this step: a pause would add to its TTFT
         now = time.monotonic()

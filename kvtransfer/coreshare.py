@@ -14,8 +14,9 @@ that carries one (the gateway sends it with Decode) is ahead of its schedule by 
 objective times the tokens it has made since its first, less the time since that first
 token; the decode engine may spend SLACK_SHARE of the smallest such lead per step, at most
 `SLACK_SLICE_MAX_S`, and nothing while a request in the batch still waits for its first
-token or has no objective. Decode spends on prefill exactly the time its requests' objectives leave over, so
-the prefill share grows when decode runs fast and vanishes when it runs at its objective.
+token or has no objective. Decode spends on prefill only the time its requests' objectives
+leave over, so the prefill share grows when decode runs fast and vanishes when it runs at
+its objective.
 
 Each prefill worker counts its prompts in hand in a shared-memory word of its own,
 ``<base>.<pid>`` (`PrefillBusy`); the decode engine's KV connector sums the words each step
@@ -51,25 +52,21 @@ def slack_mode_from_env() -> bool:
     return bool(os.environ.get(ENV_FILE)) and os.environ.get(ENV_YIELD_MS) == SLACK
 
 
-def pause_budget_s(now_s: float, running: list[tuple[int, float | None, float | None]]
-                   ) -> float | None:
+def pause_budget_s(now_s: float, running: list[tuple[int, float | None, float | None]]) -> float:
     """How long the decode engine may pause before this step, from the requests it runs:
-    (tokens made so far, TPOT objective in seconds or None, when the first was seen or
-    None). A request with an objective is ahead of its schedule by ``objective x (tokens -
-    1) - (now - first)``: the step after the pause still meets the next token's due time
-    if it takes no longer than the objective. SLACK_SHARE of the smallest lead, never below
-    0; 0 while any request waits for its first token (a pause would add to its TTFT) or has
-    no objective (nothing says what it tolerates); None when nothing runs."""
-    budget = None
+    (tokens made so far, TPOT objective in seconds or None, when the first was seen; None
+    only before it). A request with an objective is ahead of its schedule by ``objective x
+    (tokens - 1) - (now - first)``: the step after the pause still meets the next token's
+    due time if it takes no longer than the objective. SLACK_SHARE of the smallest lead,
+    between 0 and SLACK_SLICE_MAX_S; 0 when nothing runs, and while any request waits for
+    its first token (a pause would add to its TTFT) or has no objective (nothing says what
+    it tolerates)."""
+    leads = []
     for made, objective_s, first_s in running:
-        if made < 1 or objective_s is None:
+        if made < 1 or objective_s is None or first_s is None:
             return 0.0
-        if first_s is None:
-            continue
-        lead_s = objective_s * (made - 1) - (now_s - first_s)
-        share = max(SLACK_SHARE * lead_s, 0.0)
-        budget = share if budget is None else min(budget, share)
-    return budget
+        leads.append(objective_s * (made - 1) - (now_s - first_s))
+    return min(max(SLACK_SHARE * min(leads), 0.0), SLACK_SLICE_MAX_S) if leads else 0.0
 
 
 def _map(path: str, create: bool) -> mmap.mmap:
@@ -124,7 +121,7 @@ class PrefillBusy:
 class StepYield:
     """The decode side: ``pause()`` at each step sleeps while any prefill worker on these
     cores has prompts in hand: ``yield_s`` (fixed), or in slack mode (``yield_s`` None) the
-    step's budget (`pause_budget_s`; None: nothing runs), at most SLACK_SLICE_MAX_S."""
+    step's budget (`pause_budget_s`), at most SLACK_SLICE_MAX_S."""
 
     def __init__(self, base: str, yield_s: float | None, sleep=time.sleep,
                  clock=time.monotonic) -> None:
@@ -169,15 +166,12 @@ class StepYield:
             self._rescan()
         return sum(_WORD.unpack_from(word)[0] for _, word in self._words.values())
 
-    def pause(self, budget_s: float | None = None) -> float:
+    def pause(self, budget_s: float = 0.0) -> float:
         """Sleeps the slice if prefill has prompts in hand; the seconds it slept. Slack mode
-        takes the step's budget (None: no request bounds it)."""
-        if self.yield_s is not None:
-            slice_s = self.yield_s
-        else:
-            slice_s = SLACK_SLICE_MAX_S if budget_s is None else min(budget_s, SLACK_SLICE_MAX_S)
-            if slice_s < SLACK_SLICE_MIN_S:
-                return 0.0
+        takes the step's budget."""
+        slice_s = self.yield_s if self.yield_s is not None else min(budget_s, SLACK_SLICE_MAX_S)
+        if slice_s < SLACK_SLICE_MIN_S:
+            return 0.0
         if self.prefill_busy() <= 0:
             return 0.0
         self._sleep(slice_s)

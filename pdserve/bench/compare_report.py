@@ -234,7 +234,8 @@ def compare_dict(cfg: CompareConfig, result: CompareResult) -> dict:
         "goodput": "highest rate with >= 90% of requests meeting their class's SLOs, "
                    "interpolated in the final bracket",
         "mode": result.mode, "mode_reason": result.mode_reason,
-        "idle_systems": ("frozen" if cfg.freeze_idle else "running") if result.mode == "interleaved" else None,
+        "idle_systems": (("frozen" if cfg.freeze_idle else "running")
+                         if result.mode == "interleaved" else None),
         "measured_in_order": [[name, rate] for name, rate in result.measured_in_order],
         "budget_s": cfg.plan.budget_s, "elapsed_s": result.elapsed_s,
         "cpu_count": os.cpu_count(),

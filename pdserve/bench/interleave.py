@@ -2,15 +2,15 @@
 
 All systems are booted first and stay up; the first one's unloaded run sets the SLOs and
 the search (`compare.calibrate_on`); then each system in turn (vLLM, pdserve-fifo,
-pdserve) measures its search's next rate while the others wait frozen (SIGSTOP, `--idle-systems
-freeze`, the default; an idle pdserve stack took 4-8% of a core beside vLLM's turns, an
-idle vLLM 1-2% beside pdserve's), so a machine whose speed drifts over minutes slows both
-sides of the ratio alike and no system's idle polling slows another. Each system's time share is
-counted in its own measurements only (`compare.Budget`, moved on by the time the others
-take). pdserve measures pdserve-fifo's policy rate on its next turn after fifo's miss, and
-its search reuses that measurement if it asks for the same rate. The CPU the idle systems
-used during each measurement is kept with it (`SystemResult.others_idle_cores`: zero when
-frozen).
+pdserve) measures its search's next rate while the others wait frozen (SIGSTOP,
+`--idle-systems freeze`, the default; an idle pdserve stack took 4-8% of a core beside
+vLLM's turns, an idle vLLM 1-2% beside pdserve's), so a machine whose speed drifts over
+minutes slows both sides of the ratio alike and no system's idle polling slows another.
+Each system's time share is counted in its own measurements only (`compare.Budget`, moved
+on by the time the others take). pdserve measures pdserve-fifo's policy rate on its next
+turn after fifo's miss, and its search reuses that measurement if it asks for the same rate.
+The CPU the idle systems used during each measurement is kept with it
+(`SystemResult.others_idle_cores`: zero when frozen).
 """
 
 from __future__ import annotations

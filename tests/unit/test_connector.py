@@ -135,7 +135,7 @@ def test_slack_mode_budgets_each_step_by_the_running_requests_tpot_objectives(mo
     monkeypatch.delenv(coreshare.ENV_YIELD_MS)
     plain = connector(KVConnectorRole.SCHEDULER, "kv_consumer")
     plain.on_new_request(r1)
-    assert plain.build_connector_meta(SimpleNamespace(num_scheduled_tokens={"r1": 1})).yield_budget_s is None
+    assert plain.build_connector_meta(SimpleNamespace(num_scheduled_tokens={"r1": 1})).yield_budget_s == 0.0
 
 
 # ---- producer, scheduler half ----

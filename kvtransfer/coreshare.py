@@ -18,6 +18,14 @@ token or has no objective. Decode spends on prefill only the time its requests' 
 leave over, so the prefill share grows when decode runs fast and vanishes when it runs at
 its objective.
 
+With `--decode-yield whole` the decode engine gives the cores up whole instead: at a step
+while prefill has prompts in hand it waits until prefill has none (polling every
+WHOLE_POLL_S), at most WHOLE_MAX_S, then runs the step. Prefill then runs on every core at
+once, as a colocated engine's prompt does when it stops the decodes of its batch, instead of
+in the gaps decode leaves; decode's tokens wait for each prompt the way a colocated engine's
+do. The gateway marks offline prompts as not worth a yield (PrefillRequest.yield_decode),
+so an offline flood never holds decode up.
+
 Each prefill worker counts its prompts in hand in a shared-memory word of its own,
 ``<base>.<pid>`` (`PrefillBusy`); the decode engine's KV connector sums the words each step
 (`StepYield`), looking for new ones once a second and dropping those whose process is gone,
@@ -39,12 +47,18 @@ import psutil
 ENV_FILE = "PDSERVE_CORE_SHARE_FILE"
 ENV_YIELD_MS = "PDSERVE_DECODE_YIELD_MS"  # milliseconds per step, or SLACK
 SLACK = "slack"
+WHOLE = "whole"
 RESCAN_S = 1.0
 # Slack mode: the share of the smallest lead spent in one step, the most one step yields,
 # and the least worth a sleep.
 SLACK_SHARE = 0.8
 SLACK_SLICE_MAX_S = 0.5
 SLACK_SLICE_MIN_S = 0.001
+# Whole mode: how often the waiting decode engine looks at prefill's words, and the longest
+# it waits before running a step anyway (a prefill tier that never empties does not stop
+# decode outright).
+WHOLE_POLL_S = 0.005
+WHOLE_MAX_S = 2.0
 _WORD = struct.Struct("<q")
 
 
@@ -120,13 +134,15 @@ class PrefillBusy:
 
 class StepYield:
     """The decode side: ``pause()`` at each step sleeps while any prefill worker on these
-    cores has prompts in hand: ``yield_s`` (fixed), or in slack mode (``yield_s`` None) the
-    step's budget (`pause_budget_s`), at most SLACK_SLICE_MAX_S."""
+    cores has prompts in hand: ``yield_s`` (fixed), in slack mode (``yield_s`` None) the
+    step's budget (`pause_budget_s`), at most SLACK_SLICE_MAX_S, or in whole mode until
+    prefill has none left, at most WHOLE_MAX_S."""
 
     def __init__(self, base: str, yield_s: float | None, sleep=time.sleep,
-                 clock=time.monotonic) -> None:
+                 clock=time.monotonic, whole: bool = False) -> None:
         self._base = base
         self.yield_s = yield_s
+        self.whole = whole
         self._sleep = sleep
         self._clock = clock
         self._words: dict[str, tuple[int, mmap.mmap]] = {}  # path -> (pid, word)
@@ -139,6 +155,8 @@ class StepYield:
             return None
         if ms == SLACK:
             return cls(base, None)
+        if ms == WHOLE:
+            return cls(base, None, whole=True)
         return cls(base, float(ms) / 1000) if float(ms) > 0 else None
 
     def _rescan(self) -> None:
@@ -168,7 +186,9 @@ class StepYield:
 
     def pause(self, budget_s: float = 0.0) -> float:
         """Sleeps the slice if prefill has prompts in hand; the seconds it slept. Slack mode
-        takes the step's budget."""
+        takes the step's budget; whole mode waits for prefill to finish."""
+        if self.whole:
+            return self._wait_for_prefill()
         slice_s = self.yield_s if self.yield_s is not None else min(budget_s, SLACK_SLICE_MAX_S)
         if slice_s < SLACK_SLICE_MIN_S:
             return 0.0
@@ -176,3 +196,13 @@ class StepYield:
             return 0.0
         self._sleep(slice_s)
         return slice_s
+
+    def _wait_for_prefill(self) -> float:
+        if self.prefill_busy() <= 0:
+            return 0.0
+        start = self._clock()
+        while True:
+            self._sleep(WHOLE_POLL_S)
+            waited = self._clock() - start
+            if waited >= WHOLE_MAX_S or self.prefill_busy() <= 0:
+                return waited

@@ -204,12 +204,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --cores shared: the decode engine sleeps this long at each step while the "
                         "prefill worker has prompts in hand, so that the idle-priority prefill engine gets "
                         "the cores for that slice (0: never)")
-    p.add_argument("--decode-yield", choices=("off", "slack"), default="off",
+    p.add_argument("--decode-yield", choices=("off", "slack", "whole"), default="off",
                    help="with --cores shared: slack: while the prefill worker has prompts in hand, the "
                         "decode engine pauses each step for 80% of what its running requests' TPOT "
                         "objectives leave over, at most 500 ms, none while a request without an objective "
                         "runs (kvtransfer.coreshare; objectives from --slo-tpot-ms or the requests' slo); "
-                        "not with --decode-yield-ms")
+                        "whole: the decode engine waits for the prefill worker to finish the prompts it "
+                        "has in hand (at most 2 s per step), so each prompt has every core; offline prompts "
+                        "never make it wait; neither with --decode-yield-ms")
     p.add_argument("--json-logs", action="store_true")
     _policy_args(p)
     p.set_defaults(func=cmd_up)

@@ -10,8 +10,9 @@
 # core at normal priority: what OpenMP threads do when another engine takes their core);
 # `shared-yieldN` is `shared` with the decode engine yielding N ms per step while prefill
 # has work (--decode-yield-ms N), `shared-slack` with the decode engine yielding what its
-# requests' TPOT objectives leave over (--decode-yield slack). CANDIDATES="shared split
-# shared-yield15" picks some; a candidate named twice runs twice (alternate them for an
+# requests' TPOT objectives leave over (--decode-yield slack), `shared-whole` with the
+# decode engine waiting for prefill to finish what it has in hand (--decode-yield whole).
+# CANDIDATES="shared split shared-yield15" picks some; a candidate named twice runs twice (alternate them for an
 # A/B on a drifting machine), its second result in <candidate>-2.json.
 # SLOs: --slo-ttft-s/--slo-tpot-s from the environment (SLO_TTFT_S, SLO_TPOT_S), default
 # 15 s / 0.075 s. Writes OUT_DIR/<candidate>.json (`pdserve bench run --json`).
@@ -51,6 +52,7 @@ for candidate in ${CANDIDATES:-shared split shared-normal}; do
     shared-normal) run_candidate shared-normal --cores shared --prefill-sched normal ;;
     shared-yield*) run_candidate "$candidate" --cores shared --decode-yield-ms "${candidate#shared-yield}" ;;
     shared-slack) run_candidate shared-slack --cores shared --decode-yield slack ;;
+    shared-whole) run_candidate shared-whole --cores shared --decode-yield whole ;;
     *) echo "[cores] unknown candidate $candidate" >&2; exit 2 ;;
   esac
 done

@@ -11,8 +11,8 @@ import uuid
 
 import pytest
 
-from kvtransfer.coreshare import (ENV_FILE, ENV_YIELD_MS, SLACK_SLICE_MAX_S, PrefillBusy, StepYield,
-                                  pause_budget_s, remove_words, slack_mode_from_env)
+from kvtransfer.coreshare import (ENV_FILE, ENV_YIELD_MS, SLACK_SLICE_MAX_S, WHOLE_MAX_S, WHOLE_POLL_S,
+                                  PrefillBusy, StepYield, pause_budget_s, remove_words, slack_mode_from_env)
 
 
 class Clock:
@@ -86,6 +86,9 @@ def test_from_env_needs_both_the_base_and_a_positive_yield(base, monkeypatch):
     assert StepYield.from_env().yield_s == pytest.approx(0.015)
     monkeypatch.setenv(ENV_YIELD_MS, "slack")
     assert StepYield.from_env().yield_s is None and slack_mode_from_env()
+    monkeypatch.setenv(ENV_YIELD_MS, "whole")
+    whole = StepYield.from_env()
+    assert whole.whole and whole.yield_s is None and not slack_mode_from_env()
     monkeypatch.setenv(ENV_YIELD_MS, "0")
     assert StepYield.from_env() is None and not slack_mode_from_env()
     busy = PrefillBusy.from_env()
@@ -124,4 +127,47 @@ def test_slack_mode_sleeps_the_budget_capped_and_skips_crumbs(base):
     busy.leave()
     assert decode.pause(0.03) == 0.0  # prefill has nothing in hand
     assert slept == [0.03, SLACK_SLICE_MAX_S]
+    busy.close()
+
+
+def test_whole_mode_waits_until_prefill_has_nothing_in_hand(base):
+    """Decode waits, polling, while the prefill worker holds two prompts; it runs its step
+    as soon as the second one leaves (after 7 polls here), and not at all while none is in
+    hand."""
+    clock, busy = Clock(), PrefillBusy(base)
+    polls = []
+
+    def sleep(s):
+        polls.append(s)
+        clock.now += s
+        if len(polls) == 3:
+            busy.leave()  # the first prompt is done; the second keeps decode waiting
+        if len(polls) == 7:
+            busy.leave()
+
+    decode = StepYield(base, None, sleep=sleep, clock=clock, whole=True)
+    clock.now = 1.0
+    assert decode.pause() == 0.0 and polls == []  # nothing in hand
+    busy.enter()
+    busy.enter()
+    clock.now = 2.0
+    assert decode.pause(budget_s=0.0) == pytest.approx(7 * WHOLE_POLL_S)  # takes no budget
+    assert polls == [WHOLE_POLL_S] * 7
+    assert decode.pause() == 0.0 and len(polls) == 7
+    busy.close()
+
+
+def test_whole_mode_gives_up_after_the_longest_wait(base):
+    """A prefill worker that never empties holds decode up WHOLE_MAX_S per step, no more."""
+    clock, busy = Clock(), PrefillBusy(base)
+    busy.enter()
+
+    def sleep(s):
+        clock.now += s
+
+    decode = StepYield(base, None, sleep=sleep, clock=clock, whole=True)
+    clock.now = 1.0
+    waited = decode.pause()
+    assert WHOLE_MAX_S <= waited < WHOLE_MAX_S + WHOLE_POLL_S + 1e-9
+    assert decode.pause() == pytest.approx(waited)  # the next step waits again
     busy.close()

@@ -180,8 +180,14 @@ def test_a_decode_yield_gives_both_workers_one_core_share_word(monkeypatch):
     stack = build_stack(up_args(argv=["--decode-yield", "slack"]))
     assert {c.name: c.env_overrides.get(coreshare.ENV_YIELD_MS) for c in stack.children} == {
         "gateway": None, "prefill": "slack", "decode": "slack"}
+    stack = build_stack(up_args(argv=["--decode-yield", "whole"]))
+    assert {c.name: c.env_overrides.get(coreshare.ENV_YIELD_MS) for c in stack.children} == {
+        "gateway": None, "prefill": "whole", "decode": "whole"}
+    with pytest.raises(ValueError, match="drop --decode-yield-ms"):
+        build_stack(up_args(argv=["--decode-yield", "whole", "--decode-yield-ms", "15"]))
     # Off by default, and meaningless with a core each.
-    for argv in ([], ["--cores", "split", "--decode-yield-ms", "15"], ["--cores", "split", "--decode-yield", "slack"]):
+    for argv in ([], ["--cores", "split", "--decode-yield-ms", "15"], ["--cores", "split", "--decode-yield", "slack"],
+                 ["--cores", "split", "--decode-yield", "whole"]):
         stack = build_stack(up_args(argv=argv))
         assert stack.core_share_file is None
         assert all(coreshare.ENV_FILE not in c.env_overrides for c in stack.children)

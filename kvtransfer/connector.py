@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
@@ -62,7 +63,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvtransfer import metrics
-from kvtransfer.coreshare import StepYield, pause_budget_s, slack_mode_from_env
+from kvtransfer.coreshare import ENV_FILE, StepPace, StepYield, pause_budget_s, slack_mode_from_env
 from kvtransfer.layout import REQUIRED_KV_CACHE_LAYOUT, KVHandle, KVLayout, expected_layout
 from kvtransfer.transport import KVTransferError, KVTransport, transport_class
 
@@ -170,6 +171,10 @@ class PdConnector(KVConnectorBase_V1):
         self._slack = (role == KVConnectorRole.SCHEDULER and not self._kv_transfer_config.is_kv_producer
                        and slack_mode_from_env())
         self._objectives: dict[str, list] = {}
+        # Slack mode: the engine's time per plain decode step, and the prefill workers'
+        # prompts in hand (no budget while they have none, so plain steps can be timed).
+        self._pace = StepPace()
+        self._prefill = StepYield(os.environ[ENV_FILE], None) if self._slack else None
 
     # ==============================
     # Scheduler half
@@ -255,9 +260,18 @@ class PdConnector(KVConnectorBase_V1):
         return meta
 
     def _yield_budget_s(self, scheduler_output: SchedulerOutput) -> float:
+        now = time.monotonic()
+        scheduled = scheduler_output.num_scheduled_tokens
+        budget = self._budget_now(now, scheduler_output)
+        # A step that only decodes (one token per request) and will not pause times the pace.
+        self._pace.observe(now, plain=bool(scheduled) and budget == 0.0
+                           and not scheduler_output.scheduled_new_reqs
+                           and all(n == 1 for n in scheduled.values()))
+        return budget
+
+    def _budget_now(self, now: float, scheduler_output: SchedulerOutput) -> float:
         if scheduler_output.scheduled_new_reqs:
             return 0.0  # a prompt starts in this step: a pause would add to its TTFT
-        now = time.monotonic()
         running = []
         for request_id in scheduler_output.num_scheduled_tokens:
             entry = self._objectives.get(request_id)
@@ -267,8 +281,10 @@ class PdConnector(KVConnectorBase_V1):
             made = request.num_output_tokens
             if made >= 1 and first_s is None:
                 entry[2] = first_s = now  # made by the step before this one
-            running.append((made, objective_s, first_s))
-        return pause_budget_s(now, running)
+            running.append((made, objective_s, first_s, getattr(request, "max_tokens", None)))
+        if not running or self._prefill.prefill_busy() <= 0:
+            return 0.0
+        return pause_budget_s(now, running, self._pace.step_s)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         failed = connector_output.invalid_block_ids

@@ -8,15 +8,19 @@ sleeps that long at the start of each step while a prefill worker has prompts in
 the prefill engine has the cores for that slice: decode's time per token grows by the slice
 only while prefill has work.
 
-A fixed slice is blind to what decode can spare. With `--decode-yield slack` the slice
-follows the running requests' TPOT objectives instead (`pause_budget_s`): each request
-that carries one (the gateway sends it with Decode) is ahead of its schedule by its
-objective times the tokens it has made since its first, less the time since that first
-token; the decode engine may spend SLACK_SHARE of the smallest such lead per step, at most
-`SLACK_SLICE_MAX_S`, and nothing while a request in the batch still waits for its first
-token or has no objective. Decode spends on prefill only the time its requests' objectives
-leave over, so the prefill share grows when decode runs fast and vanishes when it runs at
-its objective.
+A fixed slice is blind to what decode can spare. With `--decode-yield slack` the pause
+follows the running requests' TPOT objectives instead (`pause_budget_s`): the SLO a request
+is held to is its mean time per token, (last token - first) / (tokens - 1), so a request
+that carries an objective (the gateway sends it with Decode) can absorb a pause as long as
+its last token still comes by ``first + objective x (max_tokens - 1)``: the lead it has built
+so far plus, for each token still to come, what the objective leaves over the engine's
+time per step (`StepPace`, measured on steps that did not pause). The decode engine waits
+for prefill (as in whole mode) for at most SLACK_SHARE of the smallest such budget per
+step, at most `SLACK_SLICE_MAX_S`, and not at all while a request in the batch still waits
+for its first token or has no objective, or while a prompt starts in the step. Decode
+spends on prefill only the time its requests' objectives leave over: a prompt that comes
+while decode runs well inside its objectives gets every core at once, one that comes while
+decode is at its objectives gets the gaps between steps.
 
 With `--decode-yield whole` the decode engine gives the cores up whole instead: at a step
 while prefill has prompts in hand it waits until prefill has none (polling every
@@ -66,21 +70,53 @@ def slack_mode_from_env() -> bool:
     return bool(os.environ.get(ENV_FILE)) and os.environ.get(ENV_YIELD_MS) == SLACK
 
 
-def pause_budget_s(now_s: float, running: list[tuple[int, float | None, float | None]]) -> float:
+def pause_budget_s(now_s: float, running: list[tuple[int, float | None, float | None, int | None]],
+                   step_s: float | None = None) -> float:
     """How long the decode engine may pause before this step, from the requests it runs:
-    (tokens made so far, TPOT objective in seconds or None, when the first was seen; None
-    only before it). A request with an objective is ahead of its schedule by ``objective x
-    (tokens - 1) - (now - first)``: the step after the pause still meets the next token's
-    due time if it takes no longer than the objective. SLACK_SHARE of the smallest lead,
-    between 0 and SLACK_SLICE_MAX_S; 0 when nothing runs, and while any request waits for
-    its first token (a pause would add to its TTFT) or has no objective (nothing says what
-    it tolerates)."""
-    leads = []
-    for made, objective_s, first_s in running:
+    (tokens made so far, TPOT objective in seconds or None, when the first was seen (None
+    only before it), the most tokens it may make or None), and ``step_s``, the engine's
+    time per step when it does not pause (None: unknown).
+
+    A request with an objective is ahead of its schedule by ``objective x (made - 1) -
+    (now - first)``; when ``step_s`` and its length are known, each token still to come adds
+    ``objective - step_s`` (never below 0): its last token comes by ``first + objective x
+    (max_tokens - 1)`` if the pause is no longer than the sum. Without them the pause stays
+    within the lead alone, which the next token's due time bounds. SLACK_SHARE of the
+    smallest budget, between 0 and SLACK_SLICE_MAX_S; 0 when nothing runs, and while any
+    request waits for its first token (a pause would add to its TTFT) or has no objective
+    (nothing says what it tolerates)."""
+    budgets = []
+    for made, objective_s, first_s, max_tokens in running:
         if made < 1 or objective_s is None or first_s is None:
             return 0.0
-        leads.append(objective_s * (made - 1) - (now_s - first_s))
-    return min(max(SLACK_SHARE * min(leads), 0.0), SLACK_SLICE_MAX_S) if leads else 0.0
+        budget = objective_s * (made - 1) - (now_s - first_s)
+        if step_s is not None and max_tokens is not None:
+            budget += max(max_tokens - made, 0) * max(objective_s - step_s, 0.0)
+        budgets.append(budget)
+    return min(max(SLACK_SHARE * min(budgets), 0.0), SLACK_SLICE_MAX_S) if budgets else 0.0
+
+
+class StepPace:
+    """The decode engine's time per step when it neither pauses nor computes a prompt, from
+    the times its scheduler builds steps: ``observe`` at each step says when it was built
+    and whether it is such a plain decode step; the time to the next build is a sample of
+    the previous one's length, kept if that step was plain and took at most ``max_gap_s``
+    (longer: the engine sat idle between steps). ``step_s`` is an exponential moving
+    average of the samples (weight ``alpha``), None before the first."""
+
+    def __init__(self, alpha: float = 0.2, max_gap_s: float = 1.0) -> None:
+        self.alpha = alpha
+        self.max_gap_s = max_gap_s
+        self.step_s: float | None = None
+        self._last: tuple[float, bool] | None = None
+
+    def observe(self, now_s: float, plain: bool) -> None:
+        if self._last is not None:
+            last_s, last_plain = self._last
+            gap = now_s - last_s
+            if last_plain and 0 <= gap <= self.max_gap_s:
+                self.step_s = gap if self.step_s is None else self.step_s + self.alpha * (gap - self.step_s)
+        self._last = (now_s, plain)
 
 
 def _map(path: str, create: bool) -> mmap.mmap:
@@ -134,9 +170,9 @@ class PrefillBusy:
 
 class StepYield:
     """The decode side: ``pause()`` at each step sleeps while any prefill worker on these
-    cores has prompts in hand: ``yield_s`` (fixed), in slack mode (``yield_s`` None) the
-    step's budget (`pause_budget_s`), at most SLACK_SLICE_MAX_S, or in whole mode until
-    prefill has none left, at most WHOLE_MAX_S."""
+    cores has prompts in hand: ``yield_s`` (fixed), or waits until prefill has none left, at
+    most the step's budget (`pause_budget_s`) in slack mode (``yield_s`` None), at most
+    WHOLE_MAX_S in whole mode. ``prefill_busy()`` alone serves the scheduler's half."""
 
     def __init__(self, base: str, yield_s: float | None, sleep=time.sleep,
                  clock=time.monotonic, whole: bool = False) -> None:
@@ -185,24 +221,24 @@ class StepYield:
         return sum(_WORD.unpack_from(word)[0] for _, word in self._words.values())
 
     def pause(self, budget_s: float = 0.0) -> float:
-        """Sleeps the slice if prefill has prompts in hand; the seconds it slept. Slack mode
-        takes the step's budget; whole mode waits for prefill to finish."""
+        """Pauses if prefill has prompts in hand; the seconds it paused. Slack mode waits
+        for prefill at most the step's budget; whole mode at most WHOLE_MAX_S."""
         if self.whole:
-            return self._wait_for_prefill()
-        slice_s = self.yield_s if self.yield_s is not None else min(budget_s, SLACK_SLICE_MAX_S)
-        if slice_s < SLACK_SLICE_MIN_S:
-            return 0.0
+            return self._wait_for_prefill(WHOLE_MAX_S)
+        if self.yield_s is None:
+            budget_s = min(budget_s, SLACK_SLICE_MAX_S)
+            return self._wait_for_prefill(budget_s) if budget_s >= SLACK_SLICE_MIN_S else 0.0
         if self.prefill_busy() <= 0:
             return 0.0
-        self._sleep(slice_s)
-        return slice_s
+        self._sleep(self.yield_s)
+        return self.yield_s
 
-    def _wait_for_prefill(self) -> float:
+    def _wait_for_prefill(self, limit_s: float) -> float:
         if self.prefill_busy() <= 0:
             return 0.0
         start = self._clock()
         while True:
-            self._sleep(WHOLE_POLL_S)
+            self._sleep(min(WHOLE_POLL_S, max(limit_s - (self._clock() - start), 0.0)))
             waited = self._clock() - start
-            if waited >= WHOLE_MAX_S or self.prefill_busy() <= 0:
+            if waited >= limit_s or self.prefill_busy() <= 0:
                 return waited

@@ -206,9 +206,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "the cores for that slice (0: never)")
     p.add_argument("--decode-yield", choices=("off", "slack", "whole"), default="off",
                    help="with --cores shared: slack: while the prefill worker has prompts in hand, the "
-                        "decode engine pauses each step for 80% of what its running requests' TPOT "
-                        "objectives leave over, at most 500 ms, none while a request without an objective "
-                        "runs (kvtransfer.coreshare; objectives from --slo-tpot-ms or the requests' slo); "
+                        "decode engine waits for it each step for up to 80%% of what its running requests' "
+                        "TPOT objectives leave over (their lead so far and, for the tokens still to come, "
+                        "what the objective leaves over the measured step time), at most 500 ms per step, "
+                        "none while a request without an objective runs (kvtransfer.coreshare; objectives "
+                        "from --slo-tpot-ms or the requests' slo); "
                         "whole: the decode engine waits for the prefill worker to finish the prompts it "
                         "has in hand (at most 2 s per step), so each prompt has every core; offline prompts "
                         "never make it wait; neither with --decode-yield-ms")

@@ -1,5 +1,6 @@
 """PdConnector's bookkeeping, on fakes of the vLLM objects it reads (no engine)."""
 
+import time
 import uuid
 from pathlib import Path
 from types import SimpleNamespace
@@ -95,17 +96,39 @@ def test_consumer_without_external_tokens_records_nothing():
     assert c.request_finished(req, [1, 2, 3]) == (False, {"num_external_tokens": 0})
 
 
-def test_slack_mode_budgets_each_step_by_the_running_requests_tpot_objectives(monkeypatch):
-    """`--decode-yield slack`, scheduler half: the metadata carries a share of the smallest
-    lead of the scheduled requests, 0 while a prompt starts in the step or a request without
-    an objective runs."""
+@pytest.fixture
+def slack_env(monkeypatch):
+    """Slack mode on a fresh core-share base with one prefill worker's word, and the
+    connector module's clock under the test's hand: (word, now)."""
     import kvtransfer.connector as module
     from kvtransfer import coreshare
 
-    monkeypatch.setenv(coreshare.ENV_FILE, "/dev/shm/pdserve-test-unused")
+    base = f"/dev/shm/pdserve-test-cores-{uuid.uuid4().hex}"
+    monkeypatch.setenv(coreshare.ENV_FILE, base)
     monkeypatch.setenv(coreshare.ENV_YIELD_MS, coreshare.SLACK)
     now = [100.0]
-    monkeypatch.setattr(module, "time", SimpleNamespace(monotonic=lambda: now[0]))
+    monkeypatch.setattr(module, "time", SimpleNamespace(monotonic=lambda: now[0], perf_counter=time.perf_counter))
+    word = coreshare.PrefillBusy(base)
+    yield word, now
+    word.close()
+    coreshare.remove_words(base)
+
+
+def step_budget(c, requests, new=()):
+    return c.build_connector_meta(SimpleNamespace(
+        num_scheduled_tokens={r.request_id: 1 for r in requests}, scheduled_new_reqs=list(new))).yield_budget_s
+
+
+def test_slack_mode_budgets_each_step_by_the_running_requests_tpot_objectives(slack_env, monkeypatch):
+    """`--decode-yield slack`, scheduler half: while prefill has prompts in hand the
+    metadata carries a share of the smallest lead of the scheduled requests, 0 while a
+    prompt starts in the step or a request without an objective runs; 0 while prefill has
+    none."""
+    import kvtransfer.connector as module
+    from kvtransfer import coreshare
+
+    busy, now = slack_env
+    busy.enter()
     c = connector(KVConnectorRole.SCHEDULER, "kv_consumer")
     r1 = fake_request("r1", params={module.TPOT_KEY: 0.1})
     r2 = fake_request("r2")  # no objective
@@ -113,29 +136,49 @@ def test_slack_mode_budgets_each_step_by_the_running_requests_tpot_objectives(mo
     c.on_new_request(r1)
     c.on_new_request(r2)
 
-    def step(at, new=()):
+    def step(at, running, new=()):
         now[0] = at
-        running = {r.request_id: 1 for r in (r1, r2) if r.request_id not in finished}
-        return c.build_connector_meta(SimpleNamespace(
-            num_scheduled_tokens=running, scheduled_new_reqs=list(new))).yield_budget_s
+        return step_budget(c, running, new)
 
-    finished = set()
-    real_finished = c.request_finished
-    c.request_finished = lambda r, blocks: (finished.add(r.request_id), real_finished(r, blocks))[1]
-
-    budgets = [step(100.0, new=["r1", "r2"])]  # their prompts run in this step
+    budgets = [step(100.0, [r1, r2], new=["r1", "r2"])]  # their prompts run in this step
     r1.num_output_tokens = r2.num_output_tokens = 1
-    budgets.append(step(100.05))  # r1's first token seen now: no lead yet
+    budgets.append(step(100.05, [r1, r2]))  # r1's first token seen now: no lead yet
     r1.num_output_tokens = 11
-    budgets.append(step(100.55))  # 10 more in 0.5 s against 1.0 s allowed, but r2 has none
+    budgets.append(step(100.55, [r1, r2]))  # 10 more in 0.5 s against 1.0 s allowed, but r2 has none
     c.request_finished(r2, [])
-    budgets.append(step(100.55))  # r1 alone: lead 0.5 s
-    assert budgets == [0.0, 0.0, 0.0, pytest.approx(0.4)]
+    budgets.append(step(100.55, [r1]))  # r1 alone: lead 0.5 s
+    busy.leave()
+    budgets.append(step(100.55, [r1]))  # prefill has nothing in hand
+    assert budgets == [0.0, 0.0, 0.0, pytest.approx(0.4), 0.0]
 
     monkeypatch.delenv(coreshare.ENV_YIELD_MS)
     plain = connector(KVConnectorRole.SCHEDULER, "kv_consumer")
     plain.on_new_request(r1)
     assert plain.build_connector_meta(SimpleNamespace(num_scheduled_tokens={"r1": 1})).yield_budget_s == 0.0
+
+
+def test_slack_mode_adds_the_tokens_to_come_at_the_pace_of_plain_steps(slack_env):
+    """Ten plain decode steps of 50 ms while prefill is idle set the pace; when a prompt
+    comes, r1 (objective 60 ms, 11 of 21 tokens made since 100.0) may pause for its lead
+    (0.6 - 0.5 = 0.1 s) plus 10 tokens x 10 ms: 0.8 x 0.2 = 0.16 s."""
+    import kvtransfer.connector as module
+
+    busy, now = slack_env
+    c = connector(KVConnectorRole.SCHEDULER, "kv_consumer")
+    r1 = fake_request("r1", params={module.TPOT_KEY: 0.06})
+    r1.max_tokens = 21
+    c.on_new_request(r1)
+    for k in range(10):
+        now[0] = 100.0 + 0.05 * k
+        r1.num_output_tokens = k + 1
+        assert step_budget(c, [r1]) == 0.0  # prefill idle: no pause, a timed step
+    assert c._pace.step_s == pytest.approx(0.05)
+    busy.enter()
+    now[0] = 100.5
+    r1.num_output_tokens = 11
+    assert step_budget(c, [r1]) == pytest.approx(0.16)
+    r1.max_tokens = None  # length unknown: the lead alone
+    assert step_budget(c, [r1]) == pytest.approx(0.08)
 
 
 # ---- producer, scheduler half ----

@@ -12,7 +12,7 @@ import uuid
 import pytest
 
 from kvtransfer.coreshare import (ENV_FILE, ENV_YIELD_MS, SLACK_SLICE_MAX_S, WHOLE_MAX_S, WHOLE_POLL_S,
-                                  PrefillBusy, StepYield, pause_budget_s, remove_words, slack_mode_from_env)
+                                  PrefillBusy, StepPace, StepYield, pause_budget_s, remove_words, slack_mode_from_env)
 
 
 class Clock:
@@ -97,36 +97,74 @@ def test_from_env_needs_both_the_base_and_a_positive_yield(base, monkeypatch):
 
 
 def test_slack_budget_is_a_share_of_the_smallest_lead():
-    # (tokens made, TPOT objective, first token seen at); now = 10.0
+    # (tokens made, TPOT objective, first token seen at, most tokens); now = 10.0
     # r1: 11 tokens at 0.1 s since 9.0: due by 10.0 for its 11th, made it: lead 0.0.
     # r2: 21 tokens at 0.1 s since 8.5: lead 2.0 - 1.5 = 0.5 s -> 0.8 x 0.5 = 0.4.
     # r3: 41 tokens at 0.05 s since 9.0: lead 2.0 - 1.0 = 1.0 s.
-    assert pause_budget_s(10.0, [(21, 0.1, 8.5), (41, 0.05, 9.0)]) == pytest.approx(0.4)
-    assert pause_budget_s(10.0, [(21, 0.1, 8.5), (11, 0.1, 9.0)]) == 0.0
+    assert pause_budget_s(10.0, [(21, 0.1, 8.5, None), (41, 0.05, 9.0, None)]) == pytest.approx(0.4)
+    assert pause_budget_s(10.0, [(21, 0.1, 8.5, None), (11, 0.1, 9.0, None)]) == 0.0
     # Behind schedule: no pause (never negative).
-    assert pause_budget_s(10.0, [(3, 0.1, 9.0)]) == 0.0
+    assert pause_budget_s(10.0, [(3, 0.1, 9.0, None)]) == 0.0
     # A request still waiting for its first token, or one without an objective: none.
-    assert pause_budget_s(10.0, [(21, 0.1, 8.5), (0, 0.1, None)]) == 0.0
-    assert pause_budget_s(10.0, [(21, 0.1, 8.5), (5, None, 9.9)]) == 0.0
+    assert pause_budget_s(10.0, [(21, 0.1, 8.5, None), (0, 0.1, None, None)]) == 0.0
+    assert pause_budget_s(10.0, [(21, 0.1, 8.5, None), (5, None, 9.9, None)]) == 0.0
     # Its first token seen only now: no lead yet.
-    assert pause_budget_s(10.0, [(21, 0.1, 8.5), (1, 0.1, 10.0)]) == 0.0
+    assert pause_budget_s(10.0, [(21, 0.1, 8.5, None), (1, 0.1, 10.0, None)]) == 0.0
     # Far ahead: capped at the longest slice; nothing running: no pause.
-    assert pause_budget_s(10.0, [(1001, 0.1, 0.0)]) == pytest.approx(SLACK_SLICE_MAX_S)
+    assert pause_budget_s(10.0, [(1001, 0.1, 0.0, None)]) == pytest.approx(SLACK_SLICE_MAX_S)
     assert pause_budget_s(10.0, []) == 0.0
 
 
-def test_slack_mode_sleeps_the_budget_capped_and_skips_crumbs(base):
-    slept, clock = [], Clock()
-    decode = StepYield(base, None, sleep=slept.append, clock=clock)
-    busy = PrefillBusy(base)
+def test_slack_budget_counts_the_tokens_still_to_come_at_the_measured_pace():
+    """The SLO holds the mean time per token, so a request's last token may come as late as
+    first + objective x (max_tokens - 1): the tokens still to come, at the engine's pace,
+    add objective - pace each."""
+    # r1: 11 of 51 tokens at 0.1 s since 9.0: lead 0.0; 40 to come at 0.09 s: +0.4 -> 0.32.
+    assert pause_budget_s(10.0, [(11, 0.1, 9.0, 51)], step_s=0.09) == pytest.approx(0.32)
+    # The smallest budget wins: r2 (21 of 31 since 8.5, lead 0.5) has 10 to come: +0.1.
+    assert pause_budget_s(10.0, [(11, 0.1, 9.0, 51), (21, 0.1, 8.5, 31)], step_s=0.09) == pytest.approx(0.32)
+    assert pause_budget_s(10.0, [(11, 0.1, 9.0, 31), (21, 0.1, 8.5, 31)], step_s=0.09) == pytest.approx(0.16)
+    # A pace slower than the objective adds nothing (never takes away: the lead stands).
+    assert pause_budget_s(10.0, [(21, 0.1, 8.5, 51)], step_s=0.2) == pytest.approx(0.4)
+    # Pace or length unknown: the lead alone.
+    assert pause_budget_s(10.0, [(11, 0.1, 9.0, 51)], step_s=None) == 0.0
+    assert pause_budget_s(10.0, [(11, 0.1, 9.0, None)], step_s=0.09) == 0.0
+    # Behind schedule by more than the tokens to come can make up: none.
+    assert pause_budget_s(10.0, [(3, 0.1, 9.0, 13)], step_s=0.09) == 0.0
+
+
+def test_step_pace_times_plain_steps_only():
+    pace = StepPace(alpha=0.5, max_gap_s=1.0)
+    pace.observe(0.0, plain=True)
+    assert pace.step_s is None  # one build: no length yet
+    pace.observe(0.04, plain=False)  # the plain step took 0.04
+    assert pace.step_s == pytest.approx(0.04)
+    pace.observe(0.5, plain=True)  # the step before was not plain (a prompt, or a pause)
+    assert pace.step_s == pytest.approx(0.04)
+    pace.observe(0.56, plain=True)  # 0.06: halfway with alpha 0.5
+    assert pace.step_s == pytest.approx(0.05)
+    pace.observe(5.0, plain=True)  # the engine sat idle between steps: not a step's length
+    assert pace.step_s == pytest.approx(0.05)
+
+
+def test_slack_mode_waits_for_prefill_within_the_budget_and_skips_crumbs(base):
+    clock, busy = Clock(), PrefillBusy(base)
+    polls = []
+
+    def sleep(s):
+        polls.append(s)
+        clock.now += s
+
+    decode = StepYield(base, None, sleep=sleep, clock=clock)
     busy.enter()
     clock.now = 1.0
-    assert decode.pause(0.03) == 0.03
-    assert decode.pause(5.0) == SLACK_SLICE_MAX_S
+    assert decode.pause(0.03) == pytest.approx(0.03)  # prefill stays busy: the whole budget
+    assert decode.pause(5.0) == pytest.approx(SLACK_SLICE_MAX_S)
     assert decode.pause(0.0005) == 0.0  # under a millisecond: not worth a sleep
+    n = len(polls)
     busy.leave()
-    assert decode.pause(0.03) == 0.0  # prefill has nothing in hand
-    assert slept == [0.03, SLACK_SLICE_MAX_S]
+    assert decode.pause(0.03) == 0.0 and len(polls) == n  # prefill has nothing in hand
+    assert max(polls) <= WHOLE_POLL_S
     busy.close()
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -234,6 +235,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 kv_transport=kv_transport,
                 # Offline prompts must not slow the decoding of others (kvtransfer.coreshare).
                 yield_decode=ticket.priority is not Priority.OFFLINE,
+                ttft_left_ms=_ttft_left_ms(ticket, sent_s),
             )
         )
         answer = asyncio.ensure_future(call)
@@ -416,3 +418,13 @@ def main(cfg: GatewayConfig) -> int:
     setup_logging("gateway", json_logs=cfg.json_logs)
     uvloop.run(serve(cfg))
     return 0
+
+
+def _ttft_left_ms(ticket: Ticket, now_s: float) -> int:
+    """What is left until the request's first token is due (its TTFT objective or its
+    deadline, `Ticket.due_s`), for PrefillRequest.ttft_left_ms: 0 when nothing bounds it,
+    at least 1 once it is due."""
+    due = ticket.due_s
+    if math.isinf(due):
+        return 0
+    return max(round((due - now_s) * 1000), 1)

@@ -263,10 +263,11 @@ class PdConnector(KVConnectorBase_V1):
         now = time.monotonic()
         scheduled = scheduler_output.num_scheduled_tokens
         budget = self._budget_now(now, scheduler_output)
-        # A step that only decodes (one token per request) and will not pause times the pace.
+        # A step that only decodes (one token per request) and will not pause (no budget, no
+        # urgent prompt) times the pace.
         self._pace.observe(now, plain=bool(scheduled) and budget == 0.0
                            and not scheduler_output.scheduled_new_reqs
-                           and all(n == 1 for n in scheduled.values()))
+                           and all(n == 1 for n in scheduled.values()) and not self._prefill.urgent())
         return budget
 
     def _budget_now(self, now: float, scheduler_output: SchedulerOutput) -> float:

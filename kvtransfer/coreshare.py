@@ -20,7 +20,13 @@ step, at most `SLACK_SLICE_MAX_S`, and not at all while a request in the batch s
 for its first token or has no objective, or while a prompt starts in the step. Decode
 spends on prefill only the time its requests' objectives leave over: a prompt that comes
 while decode runs well inside its objectives gets every core at once, one that comes while
-decode is at its objectives gets the gaps between steps.
+decode is at its objectives gets the gaps between steps, until it is urgent: each prompt
+carries what is left of its TTFT objective (PrefillRequest.ttft_left_ms), and once that is
+no more than its prefill on every core (at the prefill worker's best recent speed, with
+URGENT_MARGIN; `urgent_at`), decode waits for prefill whole (as in whole mode) whatever its
+budget. A colocated engine makes every running request pay for every prompt at once; here
+the running requests pay only for prompts that cannot wait, and a prompt that can wait
+often does until the requests that could not afford it have finished.
 
 With `--decode-yield whole` the decode engine gives the cores up whole instead: at a step
 while prefill has prompts in hand it waits until prefill has none (polling every
@@ -30,10 +36,11 @@ in the gaps decode leaves; decode's tokens wait for each prompt the way a coloca
 do. The gateway marks offline prompts as not worth a yield (PrefillRequest.yield_decode),
 so an offline flood never holds decode up.
 
-Each prefill worker counts its prompts in hand in a shared-memory word of its own,
-``<base>.<pid>`` (`PrefillBusy`); the decode engine's KV connector sums the words each step
-(`StepYield`), looking for new ones once a second and dropping those whose process is gone,
-so a prefill worker killed with prompts in hand does not keep decode yielding. The base
+Each prefill worker counts its prompts in hand, with the earliest time one of them is
+urgent, in a shared-memory word of its own, ``<base>.<pid>`` (`PrefillBusy`); the decode
+engine's KV connector sums the words each step (`StepYield`), looking for new ones once a
+second and dropping those whose process is gone, so a prefill worker killed with prompts in
+hand does not keep decode yielding. The base
 path is PDSERVE_CORE_SHARE_FILE, which `pdserve up` sets for the workers it starts; it
 removes the words when it stops (`remove_words`).
 """
@@ -41,10 +48,12 @@ removes the words when it stops (`remove_words`).
 from __future__ import annotations
 
 import glob
+import math
 import mmap
 import os
 import struct
 import time
+from collections import deque
 
 import psutil
 
@@ -63,7 +72,14 @@ SLACK_SLICE_MIN_S = 0.001
 # decode outright).
 WHOLE_POLL_S = 0.005
 WHOLE_MAX_S = 2.0
-_WORD = struct.Struct("<q")
+# Slack mode: a prompt whose TTFT objective leaves less than its prefill on every core times
+# this margin is urgent, and decode waits for it whole (`urgent_at`).
+URGENT_MARGIN = 1.25
+# A prefill worker's word: prompts in hand, and the earliest time (time.monotonic, which
+# every process on the host shares) at which one of them can no longer wait for decode's
+# slack and needs every core to meet its TTFT objective (+inf: none can run short).
+_WORD = struct.Struct("<qd")
+NEVER = math.inf
 
 
 def slack_mode_from_env() -> bool:
@@ -119,6 +135,34 @@ class StepPace:
         self._last = (now_s, plain)
 
 
+def urgent_at(now_s: float, ttft_left_s: float | None, num_tokens: int, tokens_per_s: float | None) -> float:
+    """When a prompt taken in hand now can wait no longer for decode's slack: its TTFT due
+    time less its prefill on every core (``num_tokens`` at the best recent speed, times
+    URGENT_MARGIN). NEVER without an objective; at once (``now_s``) while no speed is known."""
+    if ttft_left_s is None:
+        return NEVER
+    if not tokens_per_s:
+        return now_s
+    return now_s + ttft_left_s - URGENT_MARGIN * num_tokens / tokens_per_s
+
+
+class BestRate:
+    """A prefill worker's best recent speed: the highest prompt tokens per second over its
+    last ``window`` prompts, each timed from taken in hand to done. A prompt that waited
+    behind others or for decode looks slow; the best of the recent ones ran on every core."""
+
+    def __init__(self, window: int = 16) -> None:
+        self._rates: deque[float] = deque(maxlen=window)
+
+    def observe(self, num_tokens: int, seconds: float) -> None:
+        if num_tokens > 0 and seconds > 0:
+            self._rates.append(num_tokens / seconds)
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        return max(self._rates, default=None)
+
+
 def _map(path: str, create: bool) -> mmap.mmap:
     fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_TRUNC if create else 0), 0o600)
     try:
@@ -138,27 +182,37 @@ def remove_words(base: str) -> None:
 
 
 class PrefillBusy:
-    """A prefill worker's count of prompts in hand, in its own word (one process writes it)."""
+    """A prefill worker's prompts in hand, in its own word (one process writes it): how
+    many, and the earliest of their urgent times (`urgent_at`)."""
 
     def __init__(self, base: str) -> None:
         self.path = f"{base}.{os.getpid()}"
         self._map = _map(self.path, create=True)
-        self._count = 0
+        self._in_hand: dict[int, float] = {}  # token -> urgent at
+        self._next = 0
+        self._write()
 
     @classmethod
     def from_env(cls) -> PrefillBusy | None:
         base = os.environ.get(ENV_FILE)
         return cls(base) if base else None
 
-    def _set(self, count: int) -> None:
-        self._count = max(count, 0)
-        _WORD.pack_into(self._map, 0, self._count)
+    def _write(self) -> None:
+        _WORD.pack_into(self._map, 0, len(self._in_hand), min(self._in_hand.values(), default=NEVER))
 
-    def enter(self) -> None:
-        self._set(self._count + 1)
+    def enter(self, urgent_at: float = NEVER) -> int:
+        """A prompt taken in hand; the token to leave it with."""
+        self._next += 1
+        self._in_hand[self._next] = urgent_at
+        self._write()
+        return self._next
 
-    def leave(self) -> None:
-        self._set(self._count - 1)
+    def leave(self, token: int | None = None) -> None:
+        """The prompt is done (without a token: the latest taken; none in hand: nothing)."""
+        if token is None and self._in_hand:
+            token = max(self._in_hand)
+        self._in_hand.pop(token, None)
+        self._write()
 
     def close(self) -> None:
         self._map.close()
@@ -213,32 +267,56 @@ class StepYield:
                 word.close()
                 del self._words[path]
 
-    def prefill_busy(self) -> int:
+    def prefill_state(self) -> tuple[int, float]:
+        """Prompts in hand on every prefill worker on these cores, and the earliest time one
+        of them is urgent (NEVER: none)."""
         now = self._clock()
         if now - self._scanned_s >= RESCAN_S:
             self._scanned_s = now
             self._rescan()
-        return sum(_WORD.unpack_from(word)[0] for _, word in self._words.values())
+        count, urgent = 0, NEVER
+        for _, word in self._words.values():
+            n, at = _WORD.unpack_from(word)
+            if n > 0:
+                count, urgent = count + n, min(urgent, at)
+        return count, urgent
+
+    def prefill_busy(self) -> int:
+        return self.prefill_state()[0]
+
+    def urgent(self) -> bool:
+        """A prompt in hand can no longer wait for decode's slack."""
+        count, at = self.prefill_state()
+        return count > 0 and at <= self._clock()
 
     def pause(self, budget_s: float = 0.0) -> float:
         """Pauses if prefill has prompts in hand; the seconds it paused. Slack mode waits
-        for prefill at most the step's budget; whole mode at most WHOLE_MAX_S."""
+        for prefill at most the step's budget, or whole while a prompt is urgent; whole mode
+        at most WHOLE_MAX_S."""
         if self.whole:
             return self._wait_for_prefill(WHOLE_MAX_S)
         if self.yield_s is None:
             budget_s = min(budget_s, SLACK_SLICE_MAX_S)
-            return self._wait_for_prefill(budget_s) if budget_s >= SLACK_SLICE_MIN_S else 0.0
+            if budget_s >= SLACK_SLICE_MIN_S or self.urgent():
+                return self._wait_for_prefill(budget_s, whole_when_urgent=True)
+            return 0.0
         if self.prefill_busy() <= 0:
             return 0.0
         self._sleep(self.yield_s)
         return self.yield_s
 
-    def _wait_for_prefill(self, limit_s: float) -> float:
-        if self.prefill_busy() <= 0:
-            return 0.0
+    def _wait_for_prefill(self, limit_s: float, whole_when_urgent: bool = False) -> float:
+        """Waits while prefill has prompts in hand, at most ``limit_s`` (WHOLE_MAX_S while
+        one of them is urgent, with ``whole_when_urgent``)."""
         start = self._clock()
+        waited = 0.0
         while True:
-            self._sleep(min(WHOLE_POLL_S, max(limit_s - (self._clock() - start), 0.0)))
-            waited = self._clock() - start
-            if waited >= limit_s or self.prefill_busy() <= 0:
+            count, urgent_at = self.prefill_state()
+            if count <= 0:
                 return waited
+            now = self._clock()
+            cap = WHOLE_MAX_S if whole_when_urgent and urgent_at <= now else limit_s
+            if waited >= cap:
+                return waited
+            self._sleep(min(WHOLE_POLL_S, cap - waited))
+            waited = self._clock() - start

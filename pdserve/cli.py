@@ -209,8 +209,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "decode engine waits for it each step for up to 80%% of what its running requests' "
                         "TPOT objectives leave over (their lead so far and, for the tokens still to come, "
                         "what the objective leaves over the measured step time), at most 500 ms per step, "
-                        "none while a request without an objective runs (kvtransfer.coreshare; objectives "
-                        "from --slo-tpot-ms or the requests' slo); "
+                        "none while a request without an objective runs, and whole while a prompt's TTFT "
+                        "objective leaves no more than its prefill on every core (kvtransfer.coreshare; "
+                        "objectives from --slo-*-ms or the requests' slo); "
                         "whole: the decode engine waits for the prefill worker to finish the prompts it "
                         "has in hand (at most 2 s per step), so each prompt has every core; offline prompts "
                         "never make it wait; neither with --decode-yield-ms")

@@ -11,10 +11,11 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import time
 import uuid
 
 from kvtransfer.connector import HANDLE_KEY, SAVE_KEY
-from kvtransfer.coreshare import PrefillBusy
+from kvtransfer.coreshare import BestRate, PrefillBusy, urgent_at
 from kvtransfer.layout import KVHandle
 from kvtransfer.transport import transport_class
 from pdserve.config import WorkerConfig
@@ -36,6 +37,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         # Tells a decode engine on these cores when prefill has work it may yield to
         # (kvtransfer.coreshare; PrefillRequest.yield_decode).
         self._busy = PrefillBusy.from_env()
+        self._best_rate = BestRate()  # prompt tokens per second on every core, for urgent_at
 
     @rpc_errors
     async def Prefill(self, request: worker_pb2.PrefillRequest, context) -> worker_pb2.PrefillResponse:
@@ -53,7 +55,9 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         first_token_id: int | None = None
         yielded = self._busy is not None and request.yield_decode
         if yielded:
-            self._busy.enter()
+            taken_s = time.monotonic()
+            ttft_left_s = request.ttft_left_ms / 1000 if request.ttft_left_ms else None
+            token = self._busy.enter(urgent_at(taken_s, ttft_left_s, len(token_ids), self._best_rate.tokens_per_s))
         try:
             async for out in self._engine.generate(TokensPrompt(prompt_token_ids=token_ids), params, request_id):
                 if out.outputs[0].token_ids:
@@ -61,7 +65,9 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
                 final = out
         finally:
             if yielded:
-                self._busy.leave()
+                self._busy.leave(token)
+        if yielded:
+            self._best_rate.observe(len(token_ids) - (final.num_cached_tokens or 0), time.monotonic() - taken_s)
         assert final.finished and first_token_id is not None
         handle = (final.kv_transfer_params or {}).get(HANDLE_KEY)
         finish_reason = _finish_reason(final.outputs[0].finish_reason, request, len(token_ids), self._info)

@@ -93,18 +93,20 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "sampling", "kv_transport", "yield_decode")
+    __slots__ = ("request_id", "token_ids", "sampling", "kv_transport", "yield_decode", "ttft_left_ms")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     YIELD_DECODE_FIELD_NUMBER: _ClassVar[int]
+    TTFT_LEFT_MS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: EngineSampling
     kv_transport: str
     yield_decode: bool
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[EngineSampling, _Mapping]] = ..., kv_transport: _Optional[str] = ..., yield_decode: _Optional[bool] = ...) -> None: ...
+    ttft_left_ms: int
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[EngineSampling, _Mapping]] = ..., kv_transport: _Optional[str] = ..., yield_decode: _Optional[bool] = ..., ttft_left_ms: _Optional[int] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("first_token_id", "kv", "finish_reason", "num_cached_tokens")

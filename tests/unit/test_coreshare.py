@@ -11,8 +11,9 @@ import uuid
 
 import pytest
 
-from kvtransfer.coreshare import (ENV_FILE, ENV_YIELD_MS, SLACK_SLICE_MAX_S, WHOLE_MAX_S, WHOLE_POLL_S,
-                                  PrefillBusy, StepPace, StepYield, pause_budget_s, remove_words, slack_mode_from_env)
+from kvtransfer.coreshare import (ENV_FILE, ENV_YIELD_MS, NEVER, SLACK_SLICE_MAX_S, WHOLE_MAX_S, WHOLE_POLL_S, BestRate,
+                                  PrefillBusy, StepPace, StepYield, pause_budget_s, remove_words, slack_mode_from_env,
+                                  urgent_at)
 
 
 class Clock:
@@ -92,7 +93,7 @@ def test_from_env_needs_both_the_base_and_a_positive_yield(base, monkeypatch):
     monkeypatch.setenv(ENV_YIELD_MS, "0")
     assert StepYield.from_env() is None and not slack_mode_from_env()
     busy = PrefillBusy.from_env()
-    assert busy is not None and os.path.getsize(f"{base}.{os.getpid()}") == 8
+    assert busy is not None and os.path.getsize(f"{base}.{os.getpid()}") == 16
     busy.close()
 
 
@@ -208,4 +209,67 @@ def test_whole_mode_gives_up_after_the_longest_wait(base):
     waited = decode.pause()
     assert WHOLE_MAX_S <= waited < WHOLE_MAX_S + WHOLE_POLL_S + 1e-9
     assert decode.pause() == pytest.approx(waited)  # the next step waits again
+    busy.close()
+
+
+def test_a_prompt_is_urgent_once_its_ttft_objective_leaves_only_its_prefill_on_every_core():
+    # 4 s left, 1,000 tokens at 1,000 tokens/s with the 1.25 margin: urgent 1.25 s before due.
+    assert urgent_at(10.0, 4.0, 1000, 1000.0) == pytest.approx(10.0 + 4.0 - 1.25)
+    assert urgent_at(10.0, 1.0, 1000, 1000.0) == pytest.approx(9.75)  # urgent already
+    assert urgent_at(10.0, None, 1000, 1000.0) == NEVER  # no objective
+    assert urgent_at(10.0, 4.0, 1000, None) == 10.0  # no speed measured yet: at once
+
+
+def test_best_rate_is_the_fastest_of_the_recent_prompts():
+    rate = BestRate(window=3)
+    assert rate.tokens_per_s is None
+    for tokens, seconds in ((1000, 2.0), (1200, 1.0), (0, 1.0), (600, 1.0), (900, 1.0)):
+        rate.observe(tokens, seconds)
+    assert rate.tokens_per_s == 1200.0  # 500, 1200, 600: the empty prompt is not a sample
+    rate.observe(100, 1.0)  # 1200 leaves the window
+    assert rate.tokens_per_s == 900.0
+
+
+def test_the_word_carries_the_earliest_urgent_time_of_the_prompts_in_hand(base):
+    clock, busy = Clock(), PrefillBusy(base)
+    decode = StepYield(base, None, sleep=lambda s: None, clock=clock)
+    assert decode.prefill_state() == (0, NEVER)
+    late, soon = busy.enter(urgent_at=5.0), busy.enter(urgent_at=3.0)
+    busy.enter()  # no objective
+    assert decode.prefill_state() == (3, 3.0)
+    clock.now = 2.9
+    assert not decode.urgent()
+    clock.now = 3.0
+    assert decode.urgent()
+    busy.leave(soon)
+    assert decode.prefill_state() == (2, 5.0) and not decode.urgent()
+    busy.leave(late)
+    busy.leave()
+    busy.leave()  # none in hand: nothing
+    assert decode.prefill_state() == (0, NEVER)
+    busy.close()
+
+
+def test_slack_mode_waits_whole_for_an_urgent_prompt(base):
+    """Budget 20 ms: a prompt that is not urgent gets 20 ms; one that turns urgent during
+    the wait (at 1.01) keeps decode waiting until it is done (at 1.5); an urgent prompt
+    makes decode wait even with no budget at all."""
+    clock, busy = Clock(), PrefillBusy(base)
+
+    def sleep(s):
+        clock.now += s
+        if clock.now >= 1.5 - 1e-9 and token in busy._in_hand:
+            busy.leave(token)
+
+    decode = StepYield(base, None, sleep=sleep, clock=clock)
+    token = busy.enter(urgent_at=100.0)
+    clock.now = 1.0
+    assert decode.pause(0.02) == pytest.approx(0.02)
+    busy.leave(token)
+    token = busy.enter(urgent_at=1.01)
+    clock.now = 1.0
+    assert decode.pause(0.02) == pytest.approx(0.5)
+    token = busy.enter(urgent_at=0.0)
+    clock.now = 1.0
+    assert decode.pause(0.0) == pytest.approx(0.5)
     busy.close()

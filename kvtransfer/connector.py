@@ -63,7 +63,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvtransfer import metrics
-from kvtransfer.coreshare import ENV_FILE, StepPace, StepYield, pause_budget_s, slack_mode_from_env
+from kvtransfer.coreshare import ENV_FILE, StepPace, StepYield, pause_budget_s, quiet_engine_waits, slack_mode_from_env
 from kvtransfer.layout import REQUIRED_KV_CACHE_LAYOUT, KVHandle, KVLayout, expected_layout
 from kvtransfer.transport import KVTransferError, KVTransport, transport_class
 
@@ -83,6 +83,9 @@ SAVE_KEY = "pdserve_save"
 LOAD_KEY = "pdserve_load"
 # In RequestOutput.kv_transfer_params of a producer's finished request: the saved KV's handle.
 HANDLE_KEY = "pdserve_handle"
+# The engine's processes (this module is imported in each) wait for each other quietly.
+quiet_engine_waits()
+
 # On a consumer: the request's TPOT objective in seconds, for `--decode-yield slack`.
 TPOT_KEY = "pdserve_tpot_s"
 

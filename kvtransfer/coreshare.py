@@ -29,8 +29,9 @@ the running requests pay only for prompts that cannot wait, and a prompt that ca
 often does until the requests that could not afford it have finished.
 
 With `--decode-yield whole` the decode engine gives the cores up whole instead: at a step
-while prefill has prompts in hand it waits until prefill has none (polling every
-WHOLE_POLL_S), at most WHOLE_MAX_S, then runs the step. Prefill then runs on every core at
+while prefill has prompts in hand it waits until one of them is done (polling every
+WHOLE_POLL_S), at most WHOLE_MAX_S, then runs the step: one decode step between prompts,
+as a colocated engine makes one between prefill chunks. Prefill then runs on every core at
 once, as a colocated engine's prompt does when it stops the decodes of its batch, instead of
 in the gaps decode leaves; decode's tokens wait for each prompt the way a colocated engine's
 do. The gateway marks offline prompts as not worth a yield (PrefillRequest.yield_decode),
@@ -58,6 +59,9 @@ from collections import deque
 import psutil
 
 ENV_FILE = "PDSERVE_CORE_SHARE_FILE"
+# Set (to anything but 0) to keep vLLM's spinning waits between its processes
+# (`quiet_engine_waits`).
+ENV_ENGINE_SPIN = "PDSERVE_ENGINE_SPIN"
 ENV_YIELD_MS = "PDSERVE_DECODE_YIELD_MS"  # milliseconds per step, or SLACK
 SLACK = "slack"
 WHOLE = "whole"
@@ -75,10 +79,10 @@ WHOLE_MAX_S = 2.0
 # Slack mode: a prompt whose TTFT objective leaves less than its prefill on every core times
 # this margin is urgent, and decode waits for it whole (`urgent_at`).
 URGENT_MARGIN = 1.25
-# A prefill worker's word: prompts in hand, and the earliest time (time.monotonic, which
-# every process on the host shares) at which one of them can no longer wait for decode's
-# slack and needs every core to meet its TTFT objective (+inf: none can run short).
-_WORD = struct.Struct("<qd")
+# A prefill worker's word: prompts in hand, the earliest time (time.monotonic, which every
+# process on the host shares) at which one of them can no longer wait for decode's slack
+# and needs every core to meet its TTFT objective (+inf: none), and how many it has done.
+_WORD = struct.Struct("<qdq")
 NEVER = math.inf
 
 
@@ -190,6 +194,7 @@ class PrefillBusy:
         self._map = _map(self.path, create=True)
         self._in_hand: dict[int, float] = {}  # token -> urgent at
         self._next = 0
+        self._done = 0
         self._write()
 
     @classmethod
@@ -198,7 +203,7 @@ class PrefillBusy:
         return cls(base) if base else None
 
     def _write(self) -> None:
-        _WORD.pack_into(self._map, 0, len(self._in_hand), min(self._in_hand.values(), default=NEVER))
+        _WORD.pack_into(self._map, 0, len(self._in_hand), min(self._in_hand.values(), default=NEVER), self._done)
 
     def enter(self, urgent_at: float = NEVER) -> int:
         """A prompt taken in hand; the token to leave it with."""
@@ -211,7 +216,8 @@ class PrefillBusy:
         """The prompt is done (without a token: the latest taken; none in hand: nothing)."""
         if token is None and self._in_hand:
             token = max(self._in_hand)
-        self._in_hand.pop(token, None)
+        if self._in_hand.pop(token, None) is not None:
+            self._done += 1
         self._write()
 
     def close(self) -> None:
@@ -267,26 +273,27 @@ class StepYield:
                 word.close()
                 del self._words[path]
 
-    def prefill_state(self) -> tuple[int, float]:
-        """Prompts in hand on every prefill worker on these cores, and the earliest time one
-        of them is urgent (NEVER: none)."""
+    def prefill_state(self) -> tuple[int, float, int]:
+        """Prompts in hand on every prefill worker on these cores, the earliest time one of
+        them is urgent (NEVER: none), and how many prompts they have done."""
         now = self._clock()
         if now - self._scanned_s >= RESCAN_S:
             self._scanned_s = now
             self._rescan()
-        count, urgent = 0, NEVER
+        count, urgent, done = 0, NEVER, 0
         for _, word in self._words.values():
-            n, at = _WORD.unpack_from(word)
+            n, at, d = _WORD.unpack_from(word)
+            done += d
             if n > 0:
                 count, urgent = count + n, min(urgent, at)
-        return count, urgent
+        return count, urgent, done
 
     def prefill_busy(self) -> int:
         return self.prefill_state()[0]
 
     def urgent(self) -> bool:
         """A prompt in hand can no longer wait for decode's slack."""
-        count, at = self.prefill_state()
+        count, at, _ = self.prefill_state()
         return count > 0 and at <= self._clock()
 
     def pause(self, budget_s: float = 0.0) -> float:
@@ -294,7 +301,7 @@ class StepYield:
         for prefill at most the step's budget, or whole while a prompt is urgent; whole mode
         at most WHOLE_MAX_S."""
         if self.whole:
-            return self._wait_for_prefill(WHOLE_MAX_S)
+            return self._wait_for_prefill(WHOLE_MAX_S, one_prompt=True)
         if self.yield_s is None:
             budget_s = min(budget_s, SLACK_SLICE_MAX_S)
             if budget_s >= SLACK_SLICE_MIN_S or self.urgent():
@@ -305,18 +312,63 @@ class StepYield:
         self._sleep(self.yield_s)
         return self.yield_s
 
-    def _wait_for_prefill(self, limit_s: float, whole_when_urgent: bool = False) -> float:
+    def _wait_for_prefill(self, limit_s: float, whole_when_urgent: bool = False,
+                          one_prompt: bool = False) -> float:
         """Waits while prefill has prompts in hand, at most ``limit_s`` (WHOLE_MAX_S while
-        one of them is urgent, with ``whole_when_urgent``)."""
+        one of them is urgent, with ``whole_when_urgent``); with ``one_prompt``, only until
+        one of the prompts in hand is done, so that decode makes a token between prompts
+        as a colocated engine's decodes do between prefill chunks."""
         start = self._clock()
         waited = 0.0
+        done_before = None
         while True:
-            count, urgent_at = self.prefill_state()
-            if count <= 0:
+            count, urgent_at, done = self.prefill_state()
+            if count <= 0 or (one_prompt and done_before is not None and done > done_before):
                 return waited
+            done_before = done if done_before is None else done_before
             now = self._clock()
             cap = WHOLE_MAX_S if whole_when_urgent and urgent_at <= now else limit_s
             if waited >= cap:
                 return waited
             self._sleep(min(WHOLE_POLL_S, cap - waited))
             waited = self._clock() - start
+
+
+def quiet_engine_waits() -> bool:
+    """vLLM's processes of one engine wait for each other without spinning; True when
+    installed (now or before).
+
+    A CPU engine runs its model in a worker process beside its engine-core process (vLLM
+    uses the multiprocess executor on CPU), and each waits for the other's messages on a
+    shared-memory queue by looping on sched_yield for a second after its last read
+    (`SpinCondition.busy_loop_s`) before it sleeps on a zmq notification: the engine-core
+    process spins on a core for as long as its worker computes (docs/benchmarks.md measured
+    it at 14 of 30 s). On cores shared by two engines that spinner runs at normal priority
+    beside the idle-priority prefill engine, whose OpenMP team then waits at each barrier
+    for the thread it displaced, and it spins on while decode pauses for prefill. Installed,
+    every wait sleeps on the notification at once (a wake-up costs tens of microseconds
+    against steps of tens of milliseconds). Off on GPUs (steps of milliseconds, no core
+    shared) and with PDSERVE_ENGINE_SPIN set. Patches the class, so queues made before
+    the call wait quietly too; pdserve's workers call it before their engine starts (forked
+    engine processes inherit it) and the KV connector on import (spawned ones)."""
+    if os.environ.get(ENV_ENGINE_SPIN, "0") not in ("", "0"):
+        return False
+    try:
+        from vllm.distributed.device_communicators import shm_broadcast
+        from vllm.platforms import current_platform
+    except ImportError:
+        return False
+    if not current_platform.is_cpu():
+        return False
+    condition = shm_broadcast.SpinCondition
+    if getattr(condition, "_pdserve_quiet", False):
+        return True
+    spinning_wait = condition.wait
+
+    def wait(self, timeout_ms: int | None = None) -> None:
+        self.busy_loop_s = 0
+        spinning_wait(self, timeout_ms)
+
+    condition.wait = wait
+    condition._pdserve_quiet = True
+    return True

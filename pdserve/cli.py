@@ -212,9 +212,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "none while a request without an objective runs, and whole while a prompt's TTFT "
                         "objective leaves no more than its prefill on every core (kvtransfer.coreshare; "
                         "objectives from --slo-*-ms or the requests' slo); "
-                        "whole: the decode engine waits for the prefill worker to finish the prompts it "
-                        "has in hand (at most 2 s per step), so each prompt has every core; offline prompts "
-                        "never make it wait; neither with --decode-yield-ms")
+                        "whole: at a step while the prefill worker has prompts in hand the decode engine "
+                        "waits until one of them is done (at most 2 s), so each prompt has every core and "
+                        "decode makes a token between prompts, as colocated vLLM does between prefill "
+                        "chunks; offline prompts never make it wait; neither with --decode-yield-ms")
     p.add_argument("--json-logs", action="store_true")
     _policy_args(p)
     p.set_defaults(func=cmd_up)

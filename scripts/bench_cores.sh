@@ -11,9 +11,11 @@
 # `shared-yieldN` is `shared` with the decode engine yielding N ms per step while prefill
 # has work (--decode-yield-ms N), `shared-slack` with the decode engine yielding what its
 # requests' TPOT objectives leave over (--decode-yield slack), `shared-whole` with the
-# decode engine waiting for prefill to finish what it has in hand (--decode-yield whole).
-# CANDIDATES="shared split shared-yield15" picks some; a candidate named twice runs twice (alternate them for an
-# A/B on a drifting machine), its second result in <candidate>-2.json.
+# decode engine waiting for prefill one prompt at a time (--decode-yield whole). A candidate
+# with the suffix -spin runs with PDSERVE_ENGINE_SPIN=1 (vLLM's engine processes spin while
+# they wait for each other, as before kvtransfer.coreshare.quiet_engine_waits).
+# CANDIDATES="shared split shared-yield15" picks some; a candidate named twice runs twice
+# (alternate them for an A/B on a drifting machine), its second result in <candidate>-2.json.
 # SLOs: --slo-ttft-s/--slo-tpot-s from the environment (SLO_TTFT_S, SLO_TPOT_S), default
 # 15 s / 0.075 s. Writes OUT_DIR/<candidate>.json (`pdserve bench run --json`).
 set -euo pipefail
@@ -46,16 +48,19 @@ run_candidate() {  # name, extra `pdserve up` flags...
 }
 
 for candidate in ${CANDIDATES:-shared split shared-normal}; do
-  case $candidate in
-    shared) run_candidate shared --cores shared ;;
-    split) run_candidate split --cores split ;;
-    shared-normal) run_candidate shared-normal --cores shared --prefill-sched normal ;;
-    shared-yield*) run_candidate "$candidate" --cores shared --decode-yield-ms "${candidate#shared-yield}" ;;
-    shared-slack) run_candidate shared-slack --cores shared --decode-yield slack ;;
-    shared-whole) run_candidate shared-whole --cores shared --decode-yield whole ;;
+  engine=${candidate%-spin}
+  if [ "$engine" != "$candidate" ]; then export PDSERVE_ENGINE_SPIN=1; else unset PDSERVE_ENGINE_SPIN; fi
+  case $engine in
+    shared) run_candidate "$candidate" --cores shared ;;
+    split) run_candidate "$candidate" --cores split ;;
+    shared-normal) run_candidate "$candidate" --cores shared --prefill-sched normal ;;
+    shared-yield*) run_candidate "$candidate" --cores shared --decode-yield-ms "${engine#shared-yield}" ;;
+    shared-slack) run_candidate "$candidate" --cores shared --decode-yield slack ;;
+    shared-whole) run_candidate "$candidate" --cores shared --decode-yield whole ;;
     *) echo "[cores] unknown candidate $candidate" >&2; exit 2 ;;
   esac
 done
+unset PDSERVE_ENGINE_SPIN
 $py - "$out" <<'PY'
 import json, sys, pathlib
 out = pathlib.Path(sys.argv[1])

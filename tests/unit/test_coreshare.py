@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import uuid
+from types import SimpleNamespace
 
 import pytest
 
@@ -93,7 +94,7 @@ def test_from_env_needs_both_the_base_and_a_positive_yield(base, monkeypatch):
     monkeypatch.setenv(ENV_YIELD_MS, "0")
     assert StepYield.from_env() is None and not slack_mode_from_env()
     busy = PrefillBusy.from_env()
-    assert busy is not None and os.path.getsize(f"{base}.{os.getpid()}") == 16
+    assert busy is not None and os.path.getsize(f"{base}.{os.getpid()}") == 24
     busy.close()
 
 
@@ -169,19 +170,17 @@ def test_slack_mode_waits_for_prefill_within_the_budget_and_skips_crumbs(base):
     busy.close()
 
 
-def test_whole_mode_waits_until_prefill_has_nothing_in_hand(base):
-    """Decode waits, polling, while the prefill worker holds two prompts; it runs its step
-    as soon as the second one leaves (after 7 polls here), and not at all while none is in
-    hand."""
+def test_whole_mode_waits_for_one_prompt_at_a_time(base):
+    """Decode waits, polling, while the prefill worker holds two prompts: until the first is
+    done (3 polls), then makes its step; at the next step until the second is done (4 more
+    polls); not at all while none is in hand."""
     clock, busy = Clock(), PrefillBusy(base)
     polls = []
 
     def sleep(s):
         polls.append(s)
         clock.now += s
-        if len(polls) == 3:
-            busy.leave()  # the first prompt is done; the second keeps decode waiting
-        if len(polls) == 7:
+        if len(polls) in (3, 7):
             busy.leave()
 
     decode = StepYield(base, None, sleep=sleep, clock=clock, whole=True)
@@ -190,8 +189,11 @@ def test_whole_mode_waits_until_prefill_has_nothing_in_hand(base):
     busy.enter()
     busy.enter()
     clock.now = 2.0
-    assert decode.pause(budget_s=0.0) == pytest.approx(7 * WHOLE_POLL_S)  # takes no budget
+    assert decode.pause(budget_s=0.0) == pytest.approx(3 * WHOLE_POLL_S)  # takes no budget
+    busy.enter()  # a third comes: the next step still waits for one to be done, no more
+    assert decode.pause() == pytest.approx(4 * WHOLE_POLL_S)
     assert polls == [WHOLE_POLL_S] * 7
+    busy.leave()
     assert decode.pause() == 0.0 and len(polls) == 7
     busy.close()
 
@@ -233,20 +235,20 @@ def test_best_rate_is_the_fastest_of_the_recent_prompts():
 def test_the_word_carries_the_earliest_urgent_time_of_the_prompts_in_hand(base):
     clock, busy = Clock(), PrefillBusy(base)
     decode = StepYield(base, None, sleep=lambda s: None, clock=clock)
-    assert decode.prefill_state() == (0, NEVER)
+    assert decode.prefill_state()[:2] == (0, NEVER)
     late, soon = busy.enter(urgent_at=5.0), busy.enter(urgent_at=3.0)
     busy.enter()  # no objective
-    assert decode.prefill_state() == (3, 3.0)
+    assert decode.prefill_state()[:2] == (3, 3.0)
     clock.now = 2.9
     assert not decode.urgent()
     clock.now = 3.0
     assert decode.urgent()
     busy.leave(soon)
-    assert decode.prefill_state() == (2, 5.0) and not decode.urgent()
+    assert decode.prefill_state() == (2, 5.0, 1) and not decode.urgent()
     busy.leave(late)
     busy.leave()
     busy.leave()  # none in hand: nothing
-    assert decode.prefill_state() == (0, NEVER)
+    assert decode.prefill_state()[:2] == (0, NEVER)
     busy.close()
 
 
@@ -273,3 +275,24 @@ def test_slack_mode_waits_whole_for_an_urgent_prompt(base):
     clock.now = 1.0
     assert decode.pause(0.0) == pytest.approx(0.5)
     busy.close()
+
+
+def test_engine_waits_sleep_on_the_notification_instead_of_spinning(monkeypatch):
+    """vLLM's SpinCondition loops on sched_yield for a second after a read; installed, a
+    wait right after a read goes to the notification socket's poll at once."""
+    import time as real_time
+
+    from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
+
+    from kvtransfer.coreshare import ENV_ENGINE_SPIN, quiet_engine_waits
+
+    monkeypatch.setenv(ENV_ENGINE_SPIN, "1")
+    assert quiet_engine_waits() is False  # the user asked for vLLM's spinning
+    monkeypatch.delenv(ENV_ENGINE_SPIN)
+    assert quiet_engine_waits() is True
+    polled = []
+    reader = SimpleNamespace(is_reader=True, busy_loop_s=1.0, last_read=real_time.monotonic(),
+                             read_cancel_socket="cancel", local_notify_socket="notify",
+                             poller=SimpleNamespace(poll=lambda timeout: polled.append(timeout) or []))
+    SpinCondition.wait(reader, timeout_ms=7)
+    assert polled == [7] and reader.busy_loop_s == 0

@@ -62,6 +62,7 @@ ENV_FILE = "PDSERVE_CORE_SHARE_FILE"
 # Set (to anything but 0) to keep vLLM's spinning waits between its processes
 # (`quiet_engine_waits`).
 ENV_ENGINE_SPIN = "PDSERVE_ENGINE_SPIN"
+QUIET_POLL_S = 0.0002
 ENV_YIELD_MS = "PDSERVE_DECODE_YIELD_MS"  # milliseconds per step, or SLACK
 SLACK = "slack"
 WHOLE = "whole"
@@ -345,12 +346,15 @@ def quiet_engine_waits() -> bool:
     process spins on a core for as long as its worker computes (docs/benchmarks.md measured
     it at 14 of 30 s). On cores shared by two engines that spinner runs at normal priority
     beside the idle-priority prefill engine, whose OpenMP team then waits at each barrier
-    for the thread it displaced, and it spins on while decode pauses for prefill. Installed,
-    every wait sleeps on the notification at once (a wake-up costs tens of microseconds
-    against steps of tens of milliseconds). Off on GPUs (steps of milliseconds, no core
-    shared) and with PDSERVE_ENGINE_SPIN set. Patches the class, so queues made before
-    the call wait quietly too; pdserve's workers call it before their engine starts (forked
-    engine processes inherit it) and the KV connector on import (spawned ones)."""
+    for the thread it displaced, and it spins on while decode pauses for prefill.
+    Installed, the loop sleeps QUIET_POLL_S between its looks instead of yielding (a step
+    learns of its input at most that much later, against steps of tens of milliseconds);
+    after the second it still sleeps on the notification as vLLM does. Sleeping on the
+    notification at once was tried first and measured far worse: decode's TPOT p50 went
+    from about 50 to 367 ms (wake-ups late or lost). Off on GPUs (steps of milliseconds,
+    no core shared) and with PDSERVE_ENGINE_SPIN set. Patches the class, so queues made
+    before the call wait quietly too; pdserve's workers call it before their engine starts
+    (forked engine processes inherit it) and the KV connector on import (spawned ones)."""
     if os.environ.get(ENV_ENGINE_SPIN, "0") not in ("", "0"):
         return False
     try:
@@ -366,8 +370,10 @@ def quiet_engine_waits() -> bool:
     spinning_wait = condition.wait
 
     def wait(self, timeout_ms: int | None = None) -> None:
-        self.busy_loop_s = 0
-        spinning_wait(self, timeout_ms)
+        if time.monotonic() <= self.last_read + self.busy_loop_s:
+            time.sleep(QUIET_POLL_S)
+        else:
+            spinning_wait(self, timeout_ms)
 
     condition.wait = wait
     condition._pdserve_quiet = True

@@ -277,22 +277,28 @@ def test_slack_mode_waits_whole_for_an_urgent_prompt(base):
     busy.close()
 
 
-def test_engine_waits_sleep_on_the_notification_instead_of_spinning(monkeypatch):
+def test_engine_waits_sleep_between_looks_instead_of_spinning(monkeypatch):
     """vLLM's SpinCondition loops on sched_yield for a second after a read; installed, a
-    wait right after a read goes to the notification socket's poll at once."""
+    wait right after a read sleeps QUIET_POLL_S, and one after the second still sleeps on
+    the notification socket's poll."""
     import time as real_time
 
-    from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
+    from vllm.distributed.device_communicators import shm_broadcast
 
-    from kvtransfer.coreshare import ENV_ENGINE_SPIN, quiet_engine_waits
+    from kvtransfer import coreshare
 
-    monkeypatch.setenv(ENV_ENGINE_SPIN, "1")
-    assert quiet_engine_waits() is False  # the user asked for vLLM's spinning
-    monkeypatch.delenv(ENV_ENGINE_SPIN)
-    assert quiet_engine_waits() is True
-    polled = []
+    monkeypatch.setenv(coreshare.ENV_ENGINE_SPIN, "1")
+    assert coreshare.quiet_engine_waits() is False  # the user asked for vLLM's spinning
+    monkeypatch.delenv(coreshare.ENV_ENGINE_SPIN)
+    assert coreshare.quiet_engine_waits() is True
+    slept, yielded, polled = [], [], []
+    monkeypatch.setattr(coreshare.time, "sleep", slept.append)
+    monkeypatch.setattr(shm_broadcast, "sched_yield", lambda: yielded.append(1))
     reader = SimpleNamespace(is_reader=True, busy_loop_s=1.0, last_read=real_time.monotonic(),
                              read_cancel_socket="cancel", local_notify_socket="notify",
                              poller=SimpleNamespace(poll=lambda timeout: polled.append(timeout) or []))
-    SpinCondition.wait(reader, timeout_ms=7)
-    assert polled == [7] and reader.busy_loop_s == 0
+    shm_broadcast.SpinCondition.wait(reader, timeout_ms=7)
+    assert slept == [coreshare.QUIET_POLL_S] and yielded == [] and polled == []
+    reader.last_read -= 2.0  # idle for more than the busy loop's second
+    shm_broadcast.SpinCondition.wait(reader, timeout_ms=7)
+    assert polled == [7] and yielded == [] and len(slept) == 1

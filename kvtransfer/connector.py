@@ -83,7 +83,8 @@ SAVE_KEY = "pdserve_save"
 LOAD_KEY = "pdserve_load"
 # In RequestOutput.kv_transfer_params of a producer's finished request: the saved KV's handle.
 HANDLE_KEY = "pdserve_handle"
-# The engine's processes (this module is imported in each) wait for each other quietly.
+# With PDSERVE_ENGINE_QUIET the engine's processes (this module is imported in each) wait
+# for each other without spinning (kvtransfer.coreshare).
 quiet_engine_waits()
 
 # On a consumer: the request's TPOT objective in seconds, for `--decode-yield slack`.

@@ -59,9 +59,9 @@ from collections import deque
 import psutil
 
 ENV_FILE = "PDSERVE_CORE_SHARE_FILE"
-# Set (to anything but 0) to keep vLLM's spinning waits between its processes
-# (`quiet_engine_waits`).
-ENV_ENGINE_SPIN = "PDSERVE_ENGINE_SPIN"
+# Set (to anything but 0) to have vLLM's processes of an engine sleep between looks at each
+# other's queue instead of spinning (`quiet_engine_waits`; off: measured worse).
+ENV_ENGINE_QUIET = "PDSERVE_ENGINE_QUIET"
 QUIET_POLL_S = 0.0002
 ENV_YIELD_MS = "PDSERVE_DECODE_YIELD_MS"  # milliseconds per step, or SLACK
 SLACK = "slack"
@@ -351,11 +351,12 @@ def quiet_engine_waits() -> bool:
     learns of its input at most that much later, against steps of tens of milliseconds);
     after the second it still sleeps on the notification as vLLM does. Sleeping on the
     notification at once was tried first and measured far worse: decode's TPOT p50 went
-    from about 50 to 367 ms (wake-ups late or lost). Off on GPUs (steps of milliseconds,
-    no core shared) and with PDSERVE_ENGINE_SPIN set. Patches the class, so queues made
+    from about 50 to 367 ms (wake-ups late or lost). The sleeping loop measured worse too
+    (short workload at 2 req/s, back to back: TPOT p50 106 ms against 88 ms spinning), so
+    it is off unless PDSERVE_ENGINE_QUIET is set, and off on GPUs whatever the setting. Patches the class, so queues made
     before the call wait quietly too; pdserve's workers call it before their engine starts
     (forked engine processes inherit it) and the KV connector on import (spawned ones)."""
-    if os.environ.get(ENV_ENGINE_SPIN, "0") not in ("", "0"):
+    if os.environ.get(ENV_ENGINE_QUIET, "0") in ("", "0"):
         return False
     try:
         from vllm.distributed.device_communicators import shm_broadcast

@@ -12,8 +12,8 @@
 # has work (--decode-yield-ms N), `shared-slack` with the decode engine yielding what its
 # requests' TPOT objectives leave over (--decode-yield slack), `shared-whole` with the
 # decode engine waiting for prefill one prompt at a time (--decode-yield whole). A candidate
-# with the suffix -spin runs with PDSERVE_ENGINE_SPIN=1 (vLLM's engine processes spin while
-# they wait for each other, as before kvtransfer.coreshare.quiet_engine_waits).
+# with the suffix -quiet runs with PDSERVE_ENGINE_QUIET=1 (vLLM's engine processes sleep
+# between looks at each other's queue: kvtransfer.coreshare.quiet_engine_waits).
 # CANDIDATES="shared split shared-yield15" picks some; a candidate named twice runs twice
 # (alternate them for an A/B on a drifting machine), its second result in <candidate>-2.json.
 # SLOs: --slo-ttft-s/--slo-tpot-s from the environment (SLO_TTFT_S, SLO_TPOT_S), default
@@ -48,8 +48,8 @@ run_candidate() {  # name, extra `pdserve up` flags...
 }
 
 for candidate in ${CANDIDATES:-shared split shared-normal}; do
-  engine=${candidate%-spin}
-  if [ "$engine" != "$candidate" ]; then export PDSERVE_ENGINE_SPIN=1; else unset PDSERVE_ENGINE_SPIN; fi
+  engine=${candidate%-quiet}
+  if [ "$engine" != "$candidate" ]; then export PDSERVE_ENGINE_QUIET=1; else unset PDSERVE_ENGINE_QUIET; fi
   case $engine in
     shared) run_candidate "$candidate" --cores shared ;;
     split) run_candidate "$candidate" --cores split ;;
@@ -60,7 +60,7 @@ for candidate in ${CANDIDATES:-shared split shared-normal}; do
     *) echo "[cores] unknown candidate $candidate" >&2; exit 2 ;;
   esac
 done
-unset PDSERVE_ENGINE_SPIN
+unset PDSERVE_ENGINE_QUIET
 $py - "$out" <<'PY'
 import json, sys, pathlib
 out = pathlib.Path(sys.argv[1])

@@ -278,7 +278,8 @@ def test_slack_mode_waits_whole_for_an_urgent_prompt(base):
 
 
 def test_engine_waits_sleep_between_looks_instead_of_spinning(monkeypatch):
-    """vLLM's SpinCondition loops on sched_yield for a second after a read; installed, a
+    """vLLM's SpinCondition loops on sched_yield for a second after a read; installed (on
+    request), a
     wait right after a read sleeps QUIET_POLL_S, and one after the second still sleeps on
     the notification socket's poll."""
     import time as real_time
@@ -287,9 +288,9 @@ def test_engine_waits_sleep_between_looks_instead_of_spinning(monkeypatch):
 
     from kvtransfer import coreshare
 
-    monkeypatch.setenv(coreshare.ENV_ENGINE_SPIN, "1")
-    assert coreshare.quiet_engine_waits() is False  # the user asked for vLLM's spinning
-    monkeypatch.delenv(coreshare.ENV_ENGINE_SPIN)
+    monkeypatch.delenv(coreshare.ENV_ENGINE_QUIET, raising=False)
+    assert coreshare.quiet_engine_waits() is False  # off unless asked for
+    monkeypatch.setenv(coreshare.ENV_ENGINE_QUIET, "1")
     assert coreshare.quiet_engine_waits() is True
     slept, yielded, polled = [], [], []
     monkeypatch.setattr(coreshare.time, "sleep", slept.append)

@@ -63,7 +63,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvtransfer import metrics
-from kvtransfer.coreshare import ENV_FILE, StepPace, StepYield, pause_budget_s, quiet_engine_waits, slack_mode_from_env
+from kvtransfer.coreshare import (ENV_FILE, StepPace, StepYield, pause_budget_s, quiet_engine_waits,
+                                  slack_mode_from_env)
 from kvtransfer.layout import REQUIRED_KV_CACHE_LAYOUT, KVHandle, KVLayout, expected_layout
 from kvtransfer.transport import KVTransferError, KVTransport, transport_class
 
@@ -271,7 +272,8 @@ class PdConnector(KVConnectorBase_V1):
         # urgent prompt) times the pace.
         self._pace.observe(now, plain=bool(scheduled) and budget == 0.0
                            and not scheduler_output.scheduled_new_reqs
-                           and all(n == 1 for n in scheduled.values()) and not self._prefill.urgent())
+                           and all(n == 1 for n in scheduled.values())
+                           and not self._prefill.urgent())
         return budget
 
     def _budget_now(self, now: float, scheduler_output: SchedulerOutput) -> float:

@@ -91,7 +91,8 @@ def slack_mode_from_env() -> bool:
     return bool(os.environ.get(ENV_FILE)) and os.environ.get(ENV_YIELD_MS) == SLACK
 
 
-def pause_budget_s(now_s: float, running: list[tuple[int, float | None, float | None, int | None]],
+def pause_budget_s(now_s: float,
+                   running: list[tuple[int, float | None, float | None, int | None]],
                    step_s: float | None = None) -> float:
     """How long the decode engine may pause before this step, from the requests it runs:
     (tokens made so far, TPOT objective in seconds or None, when the first was seen (None
@@ -136,11 +137,13 @@ class StepPace:
             last_s, last_plain = self._last
             gap = now_s - last_s
             if last_plain and 0 <= gap <= self.max_gap_s:
-                self.step_s = gap if self.step_s is None else self.step_s + self.alpha * (gap - self.step_s)
+                self.step_s = (gap if self.step_s is None
+                               else self.step_s + self.alpha * (gap - self.step_s))
         self._last = (now_s, plain)
 
 
-def urgent_at(now_s: float, ttft_left_s: float | None, num_tokens: int, tokens_per_s: float | None) -> float:
+def urgent_at(now_s: float, ttft_left_s: float | None, num_tokens: int,
+              tokens_per_s: float | None) -> float:
     """When a prompt taken in hand now can wait no longer for decode's slack: its TTFT due
     time less its prefill on every core (``num_tokens`` at the best recent speed, times
     URGENT_MARGIN). NEVER without an objective; at once (``now_s``) while no speed is known."""
@@ -204,7 +207,8 @@ class PrefillBusy:
         return cls(base) if base else None
 
     def _write(self) -> None:
-        _WORD.pack_into(self._map, 0, len(self._in_hand), min(self._in_hand.values(), default=NEVER), self._done)
+        urgent = min(self._in_hand.values(), default=NEVER)
+        _WORD.pack_into(self._map, 0, len(self._in_hand), urgent, self._done)
 
     def enter(self, urgent_at: float = NEVER) -> int:
         """A prompt taken in hand; the token to leave it with."""
@@ -353,9 +357,10 @@ def quiet_engine_waits() -> bool:
     notification at once was tried first and measured far worse: decode's TPOT p50 went
     from about 50 to 367 ms (wake-ups late or lost). The sleeping loop measured worse too
     (short workload at 2 req/s, back to back: TPOT p50 106 ms against 88 ms spinning), so
-    it is off unless PDSERVE_ENGINE_QUIET is set, and off on GPUs whatever the setting. Patches the class, so queues made
-    before the call wait quietly too; pdserve's workers call it before their engine starts
-    (forked engine processes inherit it) and the KV connector on import (spawned ones)."""
+    it is off unless PDSERVE_ENGINE_QUIET is set, and off on GPUs whatever the setting.
+    Patches the class, so queues made before the call wait quietly too; pdserve's workers
+    call it before their engine starts (forked engine processes inherit it) and the KV
+    connector on import (spawned ones)."""
     if os.environ.get(ENV_ENGINE_QUIET, "0") in ("", "0"):
         return False
     try:

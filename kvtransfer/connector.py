@@ -267,16 +267,17 @@ class PdConnector(KVConnectorBase_V1):
     def _yield_budget_s(self, scheduler_output: SchedulerOutput) -> float:
         now = time.monotonic()
         scheduled = scheduler_output.num_scheduled_tokens
-        budget = self._budget_now(now, scheduler_output)
+        in_hand, urgent_at, _ = self._prefill.prefill_state()
+        budget = self._budget_now(now, scheduler_output, in_hand)
         # A step that only decodes (one token per request) and will not pause (no budget, no
         # urgent prompt) times the pace.
         self._pace.observe(now, plain=bool(scheduled) and budget == 0.0
                            and not scheduler_output.scheduled_new_reqs
                            and all(n == 1 for n in scheduled.values())
-                           and not self._prefill.urgent())
+                           and not (in_hand > 0 and urgent_at <= now))
         return budget
 
-    def _budget_now(self, now: float, scheduler_output: SchedulerOutput) -> float:
+    def _budget_now(self, now: float, scheduler_output: SchedulerOutput, in_hand: int) -> float:
         if scheduler_output.scheduled_new_reqs:
             return 0.0  # a prompt starts in this step: a pause would add to its TTFT
         running = []
@@ -289,8 +290,8 @@ class PdConnector(KVConnectorBase_V1):
             if made >= 1 and first_s is None:
                 entry[2] = first_s = now  # made by the step before this one
             running.append((made, objective_s, first_s, getattr(request, "max_tokens", None)))
-        if not running or self._prefill.prefill_busy() <= 0:
-            return 0.0
+        if not running or in_hand <= 0:
+            return 0.0  # first tokens are recorded above all the same
         return pause_budget_s(now, running, self._pace.step_s)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:

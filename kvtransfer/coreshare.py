@@ -237,7 +237,7 @@ class StepYield:
     """The decode side: ``pause()`` at each step sleeps while any prefill worker on these
     cores has prompts in hand: ``yield_s`` (fixed), or waits until prefill has none left, at
     most the step's budget (`pause_budget_s`) in slack mode (``yield_s`` None), at most
-    WHOLE_MAX_S in whole mode. ``prefill_busy()`` alone serves the scheduler's half."""
+    WHOLE_MAX_S in whole mode. ``prefill_state()`` alone serves the scheduler's half."""
 
     def __init__(self, base: str, yield_s: float | None, sleep=time.sleep,
                  clock=time.monotonic, whole: bool = False) -> None:
@@ -325,12 +325,11 @@ class StepYield:
         as a colocated engine's decodes do between prefill chunks."""
         start = self._clock()
         waited = 0.0
-        done_before = None
+        done_before = self.prefill_state()[2]
         while True:
             count, urgent_at, done = self.prefill_state()
-            if count <= 0 or (one_prompt and done_before is not None and done > done_before):
+            if count <= 0 or (one_prompt and done > done_before):
                 return waited
-            done_before = done if done_before is None else done_before
             now = self._clock()
             cap = WHOLE_MAX_S if whole_when_urgent and urgent_at <= now else limit_s
             if waited >= cap:
@@ -358,9 +357,8 @@ def quiet_engine_waits() -> bool:
     from about 50 to 367 ms (wake-ups late or lost). The sleeping loop measured worse too
     (short workload at 2 req/s, back to back: TPOT p50 106 ms against 88 ms spinning), so
     it is off unless PDSERVE_ENGINE_QUIET is set, and off on GPUs whatever the setting.
-    Patches the class, so queues made before the call wait quietly too; pdserve's workers
-    call it before their engine starts (forked engine processes inherit it) and the KV
-    connector on import (spawned ones)."""
+    Patches the class, so queues made before the call wait quietly too; the KV connector
+    calls it on import, which happens in both of an engine's processes."""
     if os.environ.get(ENV_ENGINE_QUIET, "0") in ("", "0"):
         return False
     try:

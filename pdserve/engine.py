@@ -59,9 +59,6 @@ def build_engine(cfg: WorkerConfig, stat_loggers: list | None = None) -> AsyncLL
     from vllm.v1.engine.async_llm import AsyncLLM
 
     set_engine_env(cfg)
-    from kvtransfer.coreshare import quiet_engine_waits
-
-    quiet_engine_waits()  # with PDSERVE_ENGINE_QUIET, before the engine's processes start
     kv_config = KVTransferConfig(
         kv_connector="PdConnector",
         kv_connector_module_path="kvtransfer.connector",

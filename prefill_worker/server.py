@@ -63,11 +63,11 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
                 if out.outputs[0].token_ids:
                     first_token_id = out.outputs[0].token_ids[0]
                 final = out
+            if yielded:
+                self._best_rate.observe(len(token_ids) - (final.num_cached_tokens or 0), time.monotonic() - taken_s)
         finally:
             if yielded:
                 self._busy.leave(token)
-        if yielded:
-            self._best_rate.observe(len(token_ids) - (final.num_cached_tokens or 0), time.monotonic() - taken_s)
         assert final.finished and first_token_id is not None
         handle = (final.kv_transfer_params or {}).get(HANDLE_KEY)
         finish_reason = _finish_reason(final.outputs[0].finish_reason, request, len(token_ids), self._info)

@@ -175,8 +175,9 @@ def _add_output_args(p: argparse.ArgumentParser) -> None:
 
 def _add_compare_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("systems")
-    g.add_argument("--systems", help="some of vllm,pdserve-fifo,pdserve (run in that order); "
-                   "default vllm,pdserve, with --workload mixed all three")
+    g.add_argument("--systems", help="some of vllm,pdserve-fifo,pdserve,pdserve-whole (run in "
+                   "that order; pdserve-whole: --decode-yield whole); default vllm,pdserve, "
+                   "with --workload mixed vllm,pdserve-fifo,pdserve")
     g.add_argument("--vllm-cpus", default="0-1", help="VLLM_CPU_OMP_THREADS_BIND for vLLM")
     g.add_argument("--vllm-kv-cache-gib", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE")
     g.add_argument("--pdserve-target", help="benchmark this running pdserve instead of starting one")

@@ -52,8 +52,9 @@ from pdserve.bench.search import RateSearch, SearchConfig, SearchOutcome, round_
 from pdserve.bench.servers import ServerError, ServerProcess, ServerSpec, free_port
 
 # The order systems run in: vLLM calibrates; fifo before slo so that pdserve (slo) can be
-# measured at the rate where fifo failed its interactive class.
-SYSTEMS = ("vllm", "pdserve-fifo", "pdserve")
+# measured at the rate where fifo failed its interactive class. pdserve-whole is pdserve
+# with `--decode-yield whole`, for an interleaved A/B of that mode against the default.
+SYSTEMS = ("vllm", "pdserve-fifo", "pdserve", "pdserve-whole")
 DEFAULT_NUM_REQUESTS = 40
 DEFAULT_CALIBRATION_REQUESTS = 8
 # 38 of the 40 minutes one workload may take: room for a measurement that runs over its
@@ -65,7 +66,7 @@ CALIBRATION_SEED_OFFSET = 2_000_003  # keeps the unloaded run's prompts apart
 
 
 def default_systems(workload_name: str) -> tuple[str, ...]:
-    return SYSTEMS if workload_name == "mixed" else ("vllm", "pdserve")
+    return ("vllm", "pdserve-fifo", "pdserve") if workload_name == "mixed" else ("vllm", "pdserve")
 
 
 @dataclass(slots=True, frozen=True)
@@ -177,15 +178,18 @@ def log(message: str) -> None:
 # already bypassed the offline prompts queued for prefill: 88.9% at the rate where fifo
 # first fell below 90%, so no policy could be 30 points above it there).
 PLAIN_FIFO_FLAGS = ("--policy", "fifo", "--local-prefill-max-tokens", "0")
+# The `pdserve up` flags of each pdserve system.
+PDSERVE_FLAGS = {"pdserve-fifo": PLAIN_FIFO_FLAGS, "pdserve": (),
+                 "pdserve-whole": ("--decode-yield", "whole")}
 
 
 def pdserve_argv(port: int, model: Path, max_model_len: int, system: str = "pdserve") -> list[str]:
     # Metrics off: `up` would otherwise bind fixed ports that a concurrent stack may hold.
-    # Policy flags only for pdserve-fifo, so that a `pdserve up` without flags still serves
-    # the default system.
+    # No flags for pdserve, so that a `pdserve up` without flags still serves the default
+    # system.
     return [sys.executable, "-m", "pdserve.cli", "up", "--port", str(port), "--model",
             str(model), "--max-model-len", str(max_model_len), "--metrics-port", "0",
-            *(PLAIN_FIFO_FLAGS if system == "pdserve-fifo" else ())]
+            *PDSERVE_FLAGS[system]]
 
 
 def source_root_env() -> dict[str, str]:

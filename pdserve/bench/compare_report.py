@@ -3,7 +3,7 @@
 - Each system: its goodput as the search found it (a value, or a bound with its reason:
   below the floor, above the ceiling, unbracketed when the time budget ran out), and every
   rate it measured with attainment, throughput and latencies overall and per class.
-- `ratios`: pdserve / vLLM. Goodput as a value when both were found, else as the interval
+- `ratios`: pdserve / vLLM (`ratios_pdserve-whole`: the same for pdserve-whole). Goodput as a value when both were found, else as the interval
   the two systems' goodput intervals allow (e.g. vLLM below the floor F: the ratio is at
   least pdserve's goodput / F, reported as `goodput_rps_lower_bound`). Throughput and
   latencies at one rate both systems were measured at: the highest such rate.
@@ -215,6 +215,10 @@ def compare_dict(cfg: CompareConfig, result: CompareResult) -> dict:
     if "pdserve" in out and "vllm" in out:
         out["ratios"] = ratios(out["pdserve"], out["vllm"], result.systems["pdserve"].search,
                                result.systems["vllm"].search)
+    if "pdserve-whole" in out and "vllm" in out:
+        out["ratios_pdserve-whole"] = ratios(out["pdserve-whole"], out["vllm"],
+                                             result.systems["pdserve-whole"].search,
+                                             result.systems["vllm"].search)
     if "pdserve" in result.systems and "pdserve-fifo" in result.systems:
         unloaded = c.unloaded.get(INTERACTIVE) if c is not None else None
         out["policy"] = policy_dict(result.systems["pdserve-fifo"], result.systems["pdserve"],
@@ -266,7 +270,7 @@ def format_compare(doc: dict) -> str:
             lines.append(f"  {name}: TTFT {_fmt(slo['ttft_s'])} s, TPOT "
                          f"{_fmt(slo['tpot_s'], 1000)} ms")
         parts.append("\n".join(lines))
-    for name in (n for n in doc if n not in ("slo", "ratios", "policy", "config")):
+    for name in (n for n, v in doc.items() if isinstance(v, dict) and "measurements" in v):
         system = doc[name]
         rows = [f"######## {name} ########"]
         if system["error"]:
@@ -287,15 +291,17 @@ def format_compare(doc: dict) -> str:
                      else f"{g['bound_kind']} {g['bound_rps']:g} req/s ({g['status']})")
             rows.append(f"goodput: {value}")
         parts.append("\n".join(rows))
-    if "ratios" in doc:
-        r = doc["ratios"]
+    for key, pd in (("ratios", "pdserve"), ("ratios_pdserve-whole", "pdserve-whole")):
+        if key not in doc:
+            continue
+        r = doc[key]
         if r["goodput_rps"] is not None:
-            line = f"goodput ratio pdserve / vllm: {r['goodput_rps']:.3g}"
+            line = f"goodput ratio {pd} / vllm: {r['goodput_rps']:.3g}"
         else:
-            bounds = [f"{op} {r[key]:.3g}" for op, key in
+            bounds = [f"{op} {r[k]:.3g}" for op, k in
                       ((">=", "goodput_rps_lower_bound"), ("<=", "goodput_rps_upper_bound"))
-                      if r[key] is not None]
-            line = (f"goodput ratio pdserve / vllm: {', '.join(bounds) or 'unknown'} "
+                      if r[k] is not None]
+            line = (f"goodput ratio {pd} / vllm: {', '.join(bounds) or 'unknown'} "
                     f"({r['goodput_note']})")
         at = r["at_rate_rps"]
         parts.append(line + f"\nat {_fmt(at, 1, 'g')} req/s (" + r["at_rate_rule"] + "): "

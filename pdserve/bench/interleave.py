@@ -40,7 +40,7 @@ THAW_SETTLE_S = 3.0
 IDLE_CORES_WARNING = 0.05
 
 # Engines each system runs (the compare starts pdserve with one worker per tier).
-ENGINES = {"vllm": 1, "pdserve-fifo": 2, "pdserve": 2}
+ENGINES = {"vllm": 1, "pdserve-fifo": 2, "pdserve": 2, "pdserve-whole": 2}
 # The systems still to boot must fit in the memory available with this much to spare, each
 # engine taking what the first booted system's engines took. Their KV caches fill as they
 # serve, so a tight fit at boot is not one under load.

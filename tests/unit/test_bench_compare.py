@@ -213,6 +213,33 @@ def test_cli_compare_mixed_runs_three_systems_fifo_before_slo(tmp_path):
         parse(["bench", "compare", "--rates", "1,2"])  # the search chooses the rates
 
 
+def test_pdserve_whole_runs_after_pdserve_with_decode_yield_whole_and_gets_its_ratios(tmp_path):
+    from pdserve.bench.compare import pdserve_argv
+
+    cfg = cli.compare_config(parse(["bench", "compare", "--workload", "long", "--systems",
+                                    "pdserve-whole,vllm,pdserve"]), tmp_path)
+    assert cfg.run_order() == ("vllm", "pdserve", "pdserve-whole")
+    argv = pdserve_argv(1, tmp_path, 4096, "pdserve-whole")
+    assert argv[argv.index("--decode-yield") + 1] == "whole"
+    assert "--decode-yield" not in pdserve_argv(1, tmp_path, 4096, "pdserve")
+    assert "--policy" not in argv and "--decode-yield" not in pdserve_argv(1, tmp_path, 4096,
+                                                                           "pdserve-fifo")
+    search = SearchConfig(start_rps=0.5, floor_rps=0.25, bisections=0)
+    result = CompareResult(calibration=calibration(), search=search)
+    result.systems["vllm"] = searched("vllm", [run_at(0.5, MET), run_at(1.0, HALF)], search)
+    result.systems["pdserve"] = searched("pdserve", [run_at(0.5, MET), run_at(1.0, HALF)],
+                                         search)
+    result.systems["pdserve-whole"] = searched(
+        "pdserve-whole", [run_at(0.5, MET), run_at(1.0, MET), run_at(2.0, HALF)], search)
+    doc = compare_dict(cfg, result)
+    assert doc["ratios"]["goodput_rps"] == pytest.approx(1.0)
+    assert doc["ratios_pdserve-whole"]["goodput_rps"] == pytest.approx(1.2 / 0.6)
+    table = format_compare(json.loads(json.dumps(doc)))
+    assert "######## pdserve-whole ########" in table
+    assert "goodput ratio pdserve / vllm: 1\n" in table
+    assert "goodput ratio pdserve-whole / vllm: 2\n" in table
+
+
 @pytest.mark.parametrize("driver", ["interleaved", "sequential"])
 def test_run_compare_against_a_fake_pdserve_calibrates_searches_and_sends_slos(
         tmp_path, fake_pdserve, driver):

@@ -63,8 +63,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvtransfer import metrics
-from kvtransfer.coreshare import (ENV_FILE, StepPace, StepYield, pause_budget_s, quiet_engine_waits,
-                                  slack_mode_from_env)
+from kvtransfer.coreshare import (ENV_FILE, SLACK, StepPace, StepYield, budget_mode_from_env,
+                                  pace_budget_s, pause_budget_s, quiet_engine_waits)
 from kvtransfer.layout import REQUIRED_KV_CACHE_LAYOUT, KVHandle, KVLayout, expected_layout
 from kvtransfer.transport import KVTransferError, KVTransport, transport_class
 
@@ -120,8 +120,8 @@ class PdConnectorMetadata(KVConnectorMetadata):
     saves: list[SaveSpec] = field(default_factory=list)
     # The step computes nothing: the engine runs it only to learn which leases ended.
     idle: bool = False
-    # `--decode-yield slack`: what the running requests' TPOT objectives let this step
-    # pause for (coreshare.pause_budget_s).
+    # `--decode-yield slack|pace`: what the running requests' TPOT objectives let this step
+    # pause for (coreshare.pause_budget_s, pace_budget_s).
     yield_budget_s: float = 0.0
 
 
@@ -173,8 +173,9 @@ class PdConnector(KVConnectorBase_V1):
                             or role != KVConnectorRole.WORKER else StepYield.from_env())
         # Slack mode, scheduler half: the requests with a TPOT objective, id -> [request,
         # objective s, when their first token was seen].
-        self._slack = (role == KVConnectorRole.SCHEDULER and not self._kv_transfer_config.is_kv_producer
-                       and slack_mode_from_env())
+        # Slack or pace mode (coreshare.SLACK / PACE), None: neither.
+        self._slack = (budget_mode_from_env() if role == KVConnectorRole.SCHEDULER
+                       and not self._kv_transfer_config.is_kv_producer else None)
         self._objectives: dict[str, list] = {}
         # Slack mode: the engine's time per plain decode step, and the prefill workers'
         # prompts in hand (no budget while they have none, so plain steps can be timed).
@@ -292,7 +293,9 @@ class PdConnector(KVConnectorBase_V1):
             running.append((made, objective_s, first_s, getattr(request, "max_tokens", None)))
         if not running or in_hand <= 0:
             return 0.0  # first tokens are recorded above all the same
-        return pause_budget_s(now, running, self._pace.step_s)
+        if self._slack == SLACK:
+            return pause_budget_s(now, running, self._pace.step_s)
+        return pace_budget_s(running, self._pace.step_s)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         failed = connector_output.invalid_block_ids

@@ -28,6 +28,15 @@ budget. A colocated engine makes every running request pay for every prompt at o
 the running requests pay only for prompts that cannot wait, and a prompt that can wait
 often does until the requests that could not afford it have finished.
 
+Slack mode spends a request's budget as soon as a prompt comes, and a request that has
+just started has little lead to spend. With `--decode-yield pace` the pause is a steady
+share of each step instead (`pace_budget_s`): PACE_SHARE of what the tightest running
+objective leaves over the engine's time per plain step, every step while prefill has
+prompts in hand, so decode's time per token rises towards its objective (never past it)
+and prefill gets every core for the rest; urgent prompts are waited for whole as in slack
+mode. The same guards hold: no pause while a request waits for its first token or has no
+objective, or while a prompt starts in the step.
+
 With `--decode-yield whole` the decode engine gives the cores up whole instead: at a step
 while prefill has prompts in hand it waits until one of them is done (polling every
 WHOLE_POLL_S), at most WHOLE_MAX_S, then runs the step: one decode step between prompts,
@@ -65,6 +74,7 @@ ENV_ENGINE_QUIET = "PDSERVE_ENGINE_QUIET"
 QUIET_POLL_S = 0.0002
 ENV_YIELD_MS = "PDSERVE_DECODE_YIELD_MS"  # milliseconds per step, or SLACK
 SLACK = "slack"
+PACE = "pace"
 WHOLE = "whole"
 RESCAN_S = 1.0
 # Slack mode: the share of the smallest lead spent in one step, the most one step yields,
@@ -72,6 +82,8 @@ RESCAN_S = 1.0
 SLACK_SHARE = 0.8
 SLACK_SLICE_MAX_S = 0.5
 SLACK_SLICE_MIN_S = 0.001
+# Pace mode: the share of (objective - time per plain step) that each step waits for prefill.
+PACE_SHARE = 0.7
 # Whole mode: how often the waiting decode engine looks at prefill's words, and the longest
 # it waits before running a step anyway (a prefill tier that never empties does not stop
 # decode outright).
@@ -87,8 +99,11 @@ _WORD = struct.Struct("<qdq")
 NEVER = math.inf
 
 
-def slack_mode_from_env() -> bool:
-    return bool(os.environ.get(ENV_FILE)) and os.environ.get(ENV_YIELD_MS) == SLACK
+def budget_mode_from_env() -> str | None:
+    """SLACK or PACE when the decode engine sizes its pauses by its requests' objectives
+    (the scheduler half computes the budget), else None."""
+    mode = os.environ.get(ENV_YIELD_MS)
+    return mode if os.environ.get(ENV_FILE) and mode in (SLACK, PACE) else None
 
 
 def pause_budget_s(now_s: float,
@@ -116,6 +131,24 @@ def pause_budget_s(now_s: float,
             budget += max(max_tokens - made, 0) * max(objective_s - step_s, 0.0)
         budgets.append(budget)
     return min(max(SLACK_SHARE * min(budgets), 0.0), SLACK_SLICE_MAX_S) if budgets else 0.0
+
+
+def pace_budget_s(running: list[tuple[int, float | None, float | None, int | None]],
+                  step_s: float | None) -> float:
+    """Pace mode: how long the decode engine may pause before this step, from the requests
+    it runs (as `pause_budget_s` takes them) and its time per plain step: PACE_SHARE of the
+    smallest ``objective - step_s``, so that a request decoding while prefill always has
+    prompts in hand makes a token every ``step_s + pause``, inside its objective. 0 when
+    nothing runs, while the pace is unknown, and while any request waits for its first
+    token or has no objective."""
+    if not running or step_s is None:
+        return 0.0
+    spare = []
+    for made, objective_s, first_s, _ in running:
+        if made < 1 or objective_s is None or first_s is None:
+            return 0.0
+        spare.append(objective_s - step_s)
+    return min(max(PACE_SHARE * min(spare), 0.0), SLACK_SLICE_MAX_S)
 
 
 class StepPace:
@@ -254,7 +287,7 @@ class StepYield:
         base, ms = os.environ.get(ENV_FILE), os.environ.get(ENV_YIELD_MS)
         if not base or not ms:
             return None
-        if ms == SLACK:
+        if ms in (SLACK, PACE):
             return cls(base, None)
         if ms == WHOLE:
             return cls(base, None, whole=True)
@@ -302,8 +335,8 @@ class StepYield:
         return count > 0 and at <= self._clock()
 
     def pause(self, budget_s: float = 0.0) -> float:
-        """Pauses if prefill has prompts in hand; the seconds it paused. Slack mode waits
-        for prefill at most the step's budget, or whole while a prompt is urgent; whole mode
+        """Pauses if prefill has prompts in hand; the seconds it paused. Slack and pace
+        modes wait for prefill at most the step's budget, or whole while a prompt is urgent; whole mode
         at most WHOLE_MAX_S."""
         if self.whole:
             return self._wait_for_prefill(WHOLE_MAX_S, one_prompt=True)

@@ -204,7 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --cores shared: the decode engine sleeps this long at each step while the "
                         "prefill worker has prompts in hand, so that the idle-priority prefill engine gets "
                         "the cores for that slice (0: never)")
-    p.add_argument("--decode-yield", choices=("off", "slack", "whole"), default="off",
+    p.add_argument("--decode-yield", choices=("off", "slack", "pace", "whole"), default="off",
                    help="with --cores shared: slack: while the prefill worker has prompts in hand, the "
                         "decode engine waits for it each step for up to 80%% of what its running requests' "
                         "TPOT objectives leave over (their lead so far and, for the tokens still to come, "
@@ -212,6 +212,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "none while a request without an objective runs, and whole while a prompt's TTFT "
                         "objective leaves no more than its prefill on every core (kvtransfer.coreshare; "
                         "objectives from --slo-*-ms or the requests' slo); "
+                        "pace: each step while the prefill worker has prompts in hand, the decode engine "
+                        "waits for it up to 70%% of what the tightest running TPOT objective leaves over "
+                        "the measured step time, and whole for urgent prompts as with slack; "
                         "whole: at a step while the prefill worker has prompts in hand the decode engine "
                         "waits until one of them is done (at most 2 s), so each prompt has every core and "
                         "decode makes a token between prompts, as colocated vLLM does between prefill "

@@ -282,8 +282,8 @@ def build_stack(args) -> Stack:
     core_share_env = {}  # engines on GPUs share no cores
     if args.decode_yield != "off" and args.decode_yield_ms:
         raise ValueError(f"--decode-yield {args.decode_yield} sizes the pause itself: drop --decode-yield-ms")
-    yield_ms = {"slack": coreshare.SLACK, "whole": coreshare.WHOLE}.get(args.decode_yield,
-                                                                         args.decode_yield_ms or None)
+    yield_ms = {"slack": coreshare.SLACK, "pace": coreshare.PACE,
+                "whole": coreshare.WHOLE}.get(args.decode_yield, args.decode_yield_ms or None)
     if on_gpus is None and args.cores == "shared" and yield_ms is not None:
         core_share_env = {coreshare.ENV_FILE: core_share_path(), coreshare.ENV_YIELD_MS: str(yield_ms)}
     for role, count, cpus, offset in (("prefill", args.prefill, prefill_cpus, 1),

@@ -10,7 +10,8 @@
 # core at normal priority: what OpenMP threads do when another engine takes their core);
 # `shared-yieldN` is `shared` with the decode engine yielding N ms per step while prefill
 # has work (--decode-yield-ms N), `shared-slack` with the decode engine yielding what its
-# requests' TPOT objectives leave over (--decode-yield slack), `shared-whole` with the
+# requests' TPOT objectives leave over (--decode-yield slack), `shared-pace` with it waiting
+# a steady share of each step (--decode-yield pace), `shared-whole` with the
 # decode engine waiting for prefill one prompt at a time (--decode-yield whole). A candidate
 # with the suffix -quiet runs with PDSERVE_ENGINE_QUIET=1 (vLLM's engine processes sleep
 # between looks at each other's queue: kvtransfer.coreshare.quiet_engine_waits).
@@ -56,6 +57,7 @@ for candidate in ${CANDIDATES:-shared split shared-normal}; do
     shared-normal) run_candidate "$candidate" --cores shared --prefill-sched normal ;;
     shared-yield*) run_candidate "$candidate" --cores shared --decode-yield-ms "${engine#shared-yield}" ;;
     shared-slack) run_candidate "$candidate" --cores shared --decode-yield slack ;;
+    shared-pace) run_candidate "$candidate" --cores shared --decode-yield pace ;;
     shared-whole) run_candidate "$candidate" --cores shared --decode-yield whole ;;
     *) echo "[cores] unknown candidate $candidate" >&2; exit 2 ;;
   esac

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 
 from kvtransfer.coreshare import (ENV_FILE, ENV_YIELD_MS, NEVER, SLACK_SLICE_MAX_S, WHOLE_MAX_S, WHOLE_POLL_S, BestRate,
-                                  PrefillBusy, StepPace, StepYield, pause_budget_s, remove_words, slack_mode_from_env,
+                                  PrefillBusy, StepPace, StepYield, pace_budget_s, pause_budget_s, remove_words, budget_mode_from_env,
                                   urgent_at)
 
 
@@ -87,12 +87,15 @@ def test_from_env_needs_both_the_base_and_a_positive_yield(base, monkeypatch):
     monkeypatch.setenv(ENV_FILE, base)
     assert StepYield.from_env().yield_s == pytest.approx(0.015)
     monkeypatch.setenv(ENV_YIELD_MS, "slack")
-    assert StepYield.from_env().yield_s is None and slack_mode_from_env()
+    assert StepYield.from_env().yield_s is None and budget_mode_from_env() == "slack"
+    monkeypatch.setenv(ENV_YIELD_MS, "pace")
+    pace = StepYield.from_env()
+    assert pace.yield_s is None and not pace.whole and budget_mode_from_env() == "pace"
     monkeypatch.setenv(ENV_YIELD_MS, "whole")
     whole = StepYield.from_env()
-    assert whole.whole and whole.yield_s is None and not slack_mode_from_env()
+    assert whole.whole and whole.yield_s is None and budget_mode_from_env() is None
     monkeypatch.setenv(ENV_YIELD_MS, "0")
-    assert StepYield.from_env() is None and not slack_mode_from_env()
+    assert StepYield.from_env() is None and budget_mode_from_env() is None
     busy = PrefillBusy.from_env()
     assert busy is not None and os.path.getsize(f"{base}.{os.getpid()}") == 24
     busy.close()
@@ -133,6 +136,18 @@ def test_slack_budget_counts_the_tokens_still_to_come_at_the_measured_pace():
     assert pause_budget_s(10.0, [(11, 0.1, 9.0, None)], step_s=0.09) == 0.0
     # Behind schedule by more than the tokens to come can make up: none.
     assert pause_budget_s(10.0, [(3, 0.1, 9.0, 13)], step_s=0.09) == 0.0
+
+
+def test_pace_budget_is_a_share_of_what_the_tightest_objective_leaves_over_the_step():
+    # (made, objective, first seen, max tokens): leads and lengths do not matter here.
+    running = [(5, 0.080, 0.0, 100), (40, 0.070, 0.0, 50)]
+    assert pace_budget_s(running, 0.050) == pytest.approx(0.7 * 0.020)
+    assert pace_budget_s(running, None) == 0.0  # pace unknown
+    assert pace_budget_s(running, 0.075) == 0.0  # the step alone is past the 70 ms one
+    assert pace_budget_s([], 0.050) == 0.0
+    assert pace_budget_s([*running, (0, 0.080, None, 10)], 0.050) == 0.0  # first token due
+    assert pace_budget_s([*running, (3, None, 0.0, 10)], 0.050) == 0.0  # no objective
+    assert pace_budget_s([(5, 2.0, 0.0, 10)], 0.050) == pytest.approx(0.5)  # at most 500 ms
 
 
 def test_step_pace_times_plain_steps_only():

@@ -180,9 +180,10 @@ def test_a_decode_yield_gives_both_workers_one_core_share_word(monkeypatch):
     stack = build_stack(up_args(argv=["--decode-yield", "slack"]))
     assert {c.name: c.env_overrides.get(coreshare.ENV_YIELD_MS) for c in stack.children} == {
         "gateway": None, "prefill": "slack", "decode": "slack"}
-    stack = build_stack(up_args(argv=["--decode-yield", "whole"]))
-    assert {c.name: c.env_overrides.get(coreshare.ENV_YIELD_MS) for c in stack.children} == {
-        "gateway": None, "prefill": "whole", "decode": "whole"}
+    for mode in ("pace", "whole"):
+        stack = build_stack(up_args(argv=["--decode-yield", mode]))
+        assert {c.name: c.env_overrides.get(coreshare.ENV_YIELD_MS) for c in stack.children} == {
+            "gateway": None, "prefill": mode, "decode": mode}
     with pytest.raises(ValueError, match="drop --decode-yield-ms"):
         build_stack(up_args(argv=["--decode-yield", "whole", "--decode-yield-ms", "15"]))
     # Off by default, and meaningless with a core each.

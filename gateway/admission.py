@@ -54,27 +54,40 @@ class ServiceMeter:
     measured again (seen in the mixed benchmark: a rate from the warm-up's prefills, made
     while decode held the cores, refused every offline prompt for the whole run). With no
     recent completion the rate is unknown and the next request is admitted to measure it.
+
+    Each completion is also marked ``contended`` when the decode tier had requests running
+    as its busy time began or as it ended: on cores shared by both engines (`pdserve up`'s
+    default) a prefill at idle priority under decode load runs at a fraction of its rate
+    alone. ``tokens_per_s(..., contended=...)`` reads only the completions made the same
+    way, and with none recent the rate is unknown (admit, and measure it). Seen in the
+    mixed benchmark: an offline prompt of 1,373 tokens sent with decode idle was refused on
+    a predicted 6.34 s (216 tokens/s, measured under decode load) while such prompts
+    prefilled alone at about 1,000 tokens/s; 9 of 13 offline prompts were refused.
     """
 
     window: int = 8
     max_age_s: float = 60.0
-    _samples: deque[tuple[int, float, float]] = field(default_factory=deque)  # tokens, busy s, when
+    _samples: deque[tuple[int, float, float, bool]] = field(default_factory=deque)  # tokens, busy s, when, contended
     _busy_since_s: float | None = None
     _num_busy: int = 0
+    _busy_contended: bool = False  # decode had requests running when the busy time began
     _abandoned: tuple[float, float] | None = None  # rate bound, when
 
-    def start(self, now_s: float) -> None:
+    def start(self, now_s: float, contended: bool = False) -> None:
         if self._num_busy == 0:
             self._busy_since_s = now_s
+            self._busy_contended = contended
         self._num_busy += 1
 
-    def finish(self, num_tokens: int, now_s: float) -> None:
+    def finish(self, num_tokens: int, now_s: float, contended: bool = False) -> None:
         assert self._num_busy > 0 and self._busy_since_s is not None
-        self._samples.append((num_tokens, max(now_s - self._busy_since_s, 0.0), now_s))
+        self._samples.append((num_tokens, max(now_s - self._busy_since_s, 0.0), now_s,
+                              self._busy_contended or contended))
         if len(self._samples) > self.window:
             self._samples.popleft()
         self._num_busy -= 1
         self._busy_since_s = now_s if self._num_busy else None
+        self._busy_contended = contended  # the next busy time begins now
         self._abandoned = None
 
     def cancel(self, now_s: float) -> None:
@@ -97,8 +110,10 @@ class ServiceMeter:
         since: its rate now is a bound, not an estimate to promise a start on."""
         return self._abandoned is not None and now_s - self._abandoned[1] <= self.max_age_s
 
-    def tokens_per_s(self, now_s: float, pending_tokens: int = 0) -> float | None:
-        """Measured over the recent completions; None: none recent.
+    def tokens_per_s(self, now_s: float, pending_tokens: int = 0,
+                     contended: bool | None = None) -> float | None:
+        """Measured over the recent completions (only those marked ``contended`` as given,
+        when given); None: none recent.
 
         ``pending_tokens``: the tokens sent and not yet answered. A worker that has worked
         on them for longer than they take at the measured rate is slower now than it was
@@ -107,7 +122,8 @@ class ServiceMeter:
         will not get (seen in the short benchmark: prompts of 20-47 tokens sent to a
         prefill engine that decode kept off the cores waited 9-29 s).
         """
-        recent = [(n, s) for n, s, when in self._samples if now_s - when <= self.max_age_s]
+        recent = [(n, s) for n, s, when, busy in self._samples
+                  if now_s - when <= self.max_age_s and contended in (None, busy)]
         tokens = sum(n for n, _ in recent)
         busy_s = sum(s for _, s in recent)
         if busy_s <= 0 or tokens <= 0:

@@ -88,7 +88,11 @@ class Dispatcher:
     def forecast(self, ticket: Ticket) -> Forecast:
         now = self._clock()
         prefill = self._workers.routable("prefill")
-        rates = [r for w in prefill if (r := w.prefill_meter.tokens_per_s(now, w.queued_tokens))]
+        # The rate measured under the decode load there is now: with none measured so, the
+        # rate is unknown and the request is admitted (admission.ServiceMeter).
+        contended = self._decode_busy()
+        rates = [r for w in prefill
+                 if (r := w.prefill_meter.tokens_per_s(now, w.queued_tokens, contended))]
         in_flight = sum(w.queued_tokens for w in prefill)
         ahead = self.queue.tokens_ahead(ticket, now) + in_flight
         ttft = predict_ttft_s(ahead, ticket.num_prompt_tokens, sum(rates) if rates else None)
@@ -207,7 +211,9 @@ class Dispatcher:
 
     def _place(self, ticket: Ticket, now: float, remote_open: bool) -> Placement | None:
         matched = self._prefix_index().matched_tokens(self._prefix_keys(ticket))
-        prefill = [w.prefill_load(now, matched.get(w.address, 0)) for w in self._workers.routable("prefill")]
+        contended = self._decode_busy()
+        prefill = [w.prefill_load(now, matched.get(w.address, 0), contended)
+                   for w in self._workers.routable("prefill")]
         decode = [w.decode_load(now) for w in self._workers.routable("decode")]
         budget = None if ticket.ttft_slo_s is None else ticket.arrival_s + ticket.ttft_slo_s - now
         return place(ticket.num_prompt_tokens, ticket.num_prompt_tokens + ticket.max_tokens,
@@ -218,7 +224,7 @@ class Dispatcher:
         if placement.where is Where.REMOTE:
             worker.queued_tokens += ticket.num_prompt_tokens
             worker.num_prefills += 1
-            worker.prefill_meter.start(now)
+            worker.prefill_meter.start(now, self._decode_busy())
             self._prefix_index().record(self._prefix_keys(ticket), worker.address)
             return None
         seat = self._seat(ticket)
@@ -252,6 +258,11 @@ class Dispatcher:
         for p in Priority:
             metrics.QUEUE_LENGTH.labels(p.label).set(self.queue.num_queued(p))
 
+    def _decode_busy(self) -> bool:
+        """The decode tier has requests running (a prefill beside it on shared cores runs
+        slower: `admission.ServiceMeter`)."""
+        return any(w.seats for w in self._workers.routable("decode"))
+
     def _prefix_index(self) -> PrefixIndex:
         if self._prefixes is None:
             info = next((w.info for w in self._workers.workers if w.info is not None), None)
@@ -278,7 +289,8 @@ class Dispatcher:
         if num_cached_tokens is None:
             worker.prefill_meter.cancel(now)
         else:
-            worker.prefill_meter.finish(max(ticket.num_prompt_tokens - num_cached_tokens, 1), now)
+            worker.prefill_meter.finish(max(ticket.num_prompt_tokens - num_cached_tokens, 1), now,
+                                        self._decode_busy())
         self.pump()
 
     def stalled_after_s(self, ticket: Ticket, placement: Placement) -> float | None:

@@ -122,11 +122,14 @@ class Worker:
     def num_inflight(self) -> int:
         return len(self.seats) if self.role == "decode" else self.num_prefills
 
-    def prefill_load(self, now_s: float, matched_tokens: int = 0) -> PrefillLoad:
+    def prefill_load(self, now_s: float, matched_tokens: int = 0,
+                     contended: bool | None = None) -> PrefillLoad:
         # A worker a prompt was just taken back from promises no start time (placement then
-        # prefers a decode worker with a known rate) until it completes one again.
+        # prefers a decode worker with a known rate) until it completes one again. The rate
+        # is the one measured under the decode load there is now (``contended``): none
+        # measured so, none promised, as admission does.
         meter = self.prefill_meter
-        rate = None if meter.stalled(now_s) else meter.tokens_per_s(now_s, self.queued_tokens)
+        rate = None if meter.stalled(now_s) else meter.tokens_per_s(now_s, self.queued_tokens, contended)
         return PrefillLoad(self.address, self.queued_tokens, rate, matched_tokens)
 
     def predict_tpot_s(self, num_running: int, now_s: float) -> float | None:

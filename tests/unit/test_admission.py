@@ -54,6 +54,28 @@ def test_service_meter_forgets_completions_older_than_max_age():
     assert m.tokens_per_s(75.0) == pytest.approx(260.0)  # the old sample no longer drags it down
 
 
+def test_service_meter_reads_completions_made_under_the_same_decode_load():
+    m = ServiceMeter()
+    m.start(0.0, contended=True)
+    m.finish(200, 1.0, contended=True)  # 200 tok/s while decode ran
+    m.start(10.0, contended=False)
+    m.finish(500, 11.0, contended=True)  # decode began during it: contended, 500 tok/s
+    assert m.tokens_per_s(11.0, contended=True) == pytest.approx(350.0)
+    assert m.tokens_per_s(11.0, contended=False) is None  # none alone: unknown, admit
+    m.start(20.0, contended=False)
+    m.finish(1000, 21.0, contended=False)  # alone: 1,000 tok/s
+    assert m.tokens_per_s(21.0, contended=False) == pytest.approx(1000.0)
+    assert m.tokens_per_s(21.0, contended=True) == pytest.approx(350.0)
+    assert m.tokens_per_s(21.0) == pytest.approx(1700 / 3.0)  # all of them
+    # A busy time that continues past a completion begins then, with decode as it was then.
+    m.start(30.0, contended=False)
+    m.start(30.0, contended=False)
+    m.finish(100, 31.0, contended=True)
+    m.finish(300, 32.0, contended=False)
+    assert m.tokens_per_s(32.0, contended=True) == pytest.approx((200 + 500 + 100 + 300) / 4.0)
+    assert m.tokens_per_s(32.0, contended=False) == pytest.approx(1000.0)
+
+
 def test_service_meter_cancel_leaves_no_sample():
     m = ServiceMeter()
     m.start(0.0)

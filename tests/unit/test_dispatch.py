@@ -44,11 +44,12 @@ def ticket(name, tokens, priority=I, arrival=100.0, deadline=None, ttft=None) ->
     return Ticket(name, priority, tokens, 8, arrival, deadline_s=deadline, ttft_slo_s=ttft)
 
 
-def measured_prefill(pool: WorkerPool, tokens: int) -> Worker:
-    """The prefill worker, having prefilled ``tokens`` in the 10 s before the clock's start."""
+def measured_prefill(pool: WorkerPool, tokens: int, contended: bool = False) -> Worker:
+    """The prefill worker, having prefilled ``tokens`` in the 10 s before the clock's start
+    (with decode requests running beside it, ``contended``)."""
     p0 = pool.by_address("p0")
-    p0.prefill_meter.start(90.0)
-    p0.prefill_meter.finish(tokens, 100.0)
+    p0.prefill_meter.start(90.0, contended)
+    p0.prefill_meter.finish(tokens, 100.0, contended)
     return p0
 
 
@@ -150,6 +151,28 @@ def test_an_estimate_with_no_recent_completion_refuses_nothing():
         d.admit(ticket("probe", 100, arrival=clock.now, ttft=2.0))  # no refusal: admitted to measure
 
     run(scenario())
+
+
+def test_a_prefill_rate_measured_under_decode_load_does_not_refuse_a_prompt_sent_with_decode_idle():
+    async def scenario():
+        d, pool, clock = dispatcher(ttft=2.0, local_prefill_max_tokens=0)
+        d0, p0 = pool.by_address("d0"), pool.by_address("p0")
+        d0.seats.add(d._seat(ticket("running", 10)))
+        p0.prefill_meter.start(90.0, contended=True)
+        p0.prefill_meter.finish(1000, 100.0, contended=True)  # 100 tok/s beside decode
+        with pytest.raises(Refused, match="predicted time to first token 3.00 s"):
+            d.admit(ticket("busy", 300, ttft=2.0))  # decode still runs: 3 s
+        d0.seats.clear()
+        d.admit(ticket("idle", 300, ttft=2.0))  # decode idle: that rate does not apply
+        grant = await d.acquire(ticket("idle", 300, ttft=2.0))
+        clock.now = 100.5
+        d.prefill_done(p0, ticket("idle", 300), num_cached_tokens=0)  # 600 tok/s alone
+        assert p0.prefill_meter.tokens_per_s(clock.now, contended=False) == pytest.approx(600.0)
+        with pytest.raises(Refused, match="predicted time to first token 2.50 s"):
+            d.admit(ticket("too long", 1500, arrival=clock.now, ttft=2.0))  # 1500 / 600
+        return grant.placement.where
+
+    assert run(scenario()) == Where.REMOTE
 
 
 def test_fifo_policy_admits_everything_and_keeps_arrival_order():
@@ -276,7 +299,7 @@ def test_fifo_never_refuses_a_queued_request_on_its_objective():
 def test_a_stalled_remote_prefill_is_moved_to_a_decode_worker_and_the_tier_sees_the_slowdown():
     async def scenario():
         d, pool, clock = dispatcher()
-        p0, d0 = measured_prefill(pool, 4000), pool.by_address("d0")  # 400 tok/s
+        p0, d0 = measured_prefill(pool, 4000, contended=True), pool.by_address("d0")  # 400 tok/s
         d0.seats.add(d._seat(ticket("running", 10)))  # decode busy, prefilling at 200 tok/s
         d0.local_meter.start(99.0)
         d0.local_meter.finish(200, 100.0)

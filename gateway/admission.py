@@ -58,8 +58,9 @@ class ServiceMeter:
     Each completion is also marked ``contended`` when the decode tier had requests running
     as its busy time began or as it ended: on cores shared by both engines (`pdserve up`'s
     default) a prefill at idle priority under decode load runs at a fraction of its rate
-    alone. ``tokens_per_s(..., contended=...)`` reads only the completions made the same
-    way, and with none recent the rate is unknown (admit, and measure it). Seen in the
+    alone. ``tokens_per_s(..., contended=...)`` reads the completions made the same way;
+    with none recent, a rate measured alone stands in for one beside decode (an optimistic
+    bound), and a prompt sent with decode idle has no rate (admit, and measure it). Seen in the
     mixed benchmark: an offline prompt of 1,373 tokens sent with decode idle was refused on
     a predicted 6.34 s (216 tokens/s, measured under decode load) while such prompts
     prefilled alone at about 1,000 tokens/s; 9 of 13 offline prompts were refused.
@@ -112,8 +113,10 @@ class ServiceMeter:
 
     def tokens_per_s(self, now_s: float, pending_tokens: int = 0,
                      contended: bool | None = None) -> float | None:
-        """Measured over the recent completions (only those marked ``contended`` as given,
-        when given); None: none recent.
+        """Measured over the recent completions; None: none recent. With ``contended``
+        given, over those marked the same; with none of them, a prefill beside running
+        decodes (True) is read from the others (alone it was never slower: the rate errs
+        towards admitting), a prefill alone (False) is unknown.
 
         ``pending_tokens``: the tokens sent and not yet answered. A worker that has worked
         on them for longer than they take at the measured rate is slower now than it was
@@ -122,10 +125,13 @@ class ServiceMeter:
         will not get (seen in the short benchmark: prompts of 20-47 tokens sent to a
         prefill engine that decode kept off the cores waited 9-29 s).
         """
-        recent = [(n, s) for n, s, when, busy in self._samples
-                  if now_s - when <= self.max_age_s and contended in (None, busy)]
-        tokens = sum(n for n, _ in recent)
-        busy_s = sum(s for _, s in recent)
+        recent = [(n, s, busy) for n, s, when, busy in self._samples
+                  if now_s - when <= self.max_age_s]
+        same = [x for x in recent if x[2] == contended]
+        if contended is not None and (same or not contended):
+            recent = same
+        tokens = sum(n for n, _, _ in recent)
+        busy_s = sum(s for _, s, _ in recent)
         if busy_s <= 0 or tokens <= 0:
             return None
         rate = tokens / busy_s

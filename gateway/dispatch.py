@@ -88,8 +88,8 @@ class Dispatcher:
     def forecast(self, ticket: Ticket) -> Forecast:
         now = self._clock()
         prefill = self._workers.routable("prefill")
-        # The rate measured under the decode load there is now: with none measured so, the
-        # rate is unknown and the request is admitted (admission.ServiceMeter).
+        # The rate measured under the decode load there is now (admission.ServiceMeter: a
+        # prompt sent with decode idle is not judged by rates measured beside decode).
         contended = self._decode_busy()
         rates = [r for w in prefill
                  if (r := w.prefill_meter.tokens_per_s(now, w.queued_tokens, contended))]

@@ -126,8 +126,8 @@ class Worker:
                      contended: bool | None = None) -> PrefillLoad:
         # A worker a prompt was just taken back from promises no start time (placement then
         # prefers a decode worker with a known rate) until it completes one again. The rate
-        # is the one measured under the decode load there is now (``contended``): none
-        # measured so, none promised, as admission does.
+        # is the one measured under the decode load there is now (``contended``; see
+        # ServiceMeter.tokens_per_s for when none was).
         meter = self.prefill_meter
         rate = None if meter.stalled(now_s) else meter.tokens_per_s(now_s, self.queued_tokens, contended)
         return PrefillLoad(self.address, self.queued_tokens, rate, matched_tokens)

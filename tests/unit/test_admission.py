@@ -56,6 +56,10 @@ def test_service_meter_forgets_completions_older_than_max_age():
 
 def test_service_meter_reads_completions_made_under_the_same_decode_load():
     m = ServiceMeter()
+    m.start(0.0, contended=False)
+    m.finish(2000, 2.0, contended=False)  # 1,000 tok/s alone
+    assert m.tokens_per_s(2.0, contended=True) == pytest.approx(1000.0)  # the optimistic bound
+    m = ServiceMeter()
     m.start(0.0, contended=True)
     m.finish(200, 1.0, contended=True)  # 200 tok/s while decode ran
     m.start(10.0, contended=False)

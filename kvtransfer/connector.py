@@ -88,7 +88,7 @@ HANDLE_KEY = "pdserve_handle"
 # for each other without spinning (kvtransfer.coreshare).
 quiet_engine_waits()
 
-# On a consumer: the request's TPOT objective in seconds, for `--decode-yield slack`.
+# On a consumer: the request's TPOT objective in seconds, for `--decode-yield slack|pace`.
 TPOT_KEY = "pdserve_tpot_s"
 
 
@@ -171,16 +171,16 @@ class PdConnector(KVConnectorBase_V1):
         # while that has prompts in hand (kvtransfer.coreshare; off unless configured).
         self._step_yield = (None if self._kv_transfer_config.is_kv_producer
                             or role != KVConnectorRole.WORKER else StepYield.from_env())
-        # Slack mode, scheduler half: the requests with a TPOT objective, id -> [request,
-        # objective s, when their first token was seen].
-        # Slack or pace mode (coreshare.SLACK / PACE), None: neither.
-        self._slack = (budget_mode_from_env() if role == KVConnectorRole.SCHEDULER
+        # Slack or pace mode (coreshare.SLACK / PACE; None: neither), scheduler half: the
+        # requests with a TPOT objective, id -> [request, objective s, when their first token
+        # was seen].
+        self._budget_mode = (budget_mode_from_env() if role == KVConnectorRole.SCHEDULER
                        and not self._kv_transfer_config.is_kv_producer else None)
         self._objectives: dict[str, list] = {}
-        # Slack mode: the engine's time per plain decode step, and the prefill workers'
+        # Slack or pace mode: the engine's time per plain decode step, and the prefill workers'
         # prompts in hand (no budget while they have none, so plain steps can be timed).
         self._pace = StepPace()
-        self._prefill = StepYield(os.environ[ENV_FILE], None) if self._slack else None
+        self._prefill = StepYield(os.environ[ENV_FILE], None) if self._budget_mode else None
 
     # ==============================
     # Scheduler half
@@ -188,7 +188,7 @@ class PdConnector(KVConnectorBase_V1):
 
     def on_new_request(self, request: Request) -> None:
         params = request.kv_transfer_params or {}
-        if self._slack and params.get(TPOT_KEY):
+        if self._budget_mode and params.get(TPOT_KEY):
             self._objectives[request.request_id] = [request, float(params[TPOT_KEY]), None]
         if SAVE_KEY in params:
             assert self._kv_transfer_config.is_kv_producer, "save asked of a consumer engine"
@@ -233,7 +233,7 @@ class PdConnector(KVConnectorBase_V1):
             loads=list(self._pending_loads.values()),
             idle=not any(scheduler_output.num_scheduled_tokens.values()),
         )
-        if self._slack:
+        if self._budget_mode:
             meta.yield_budget_s = self._yield_budget_s(scheduler_output)
         self._pending_loads.clear()
         scheduled = scheduler_output.num_scheduled_tokens
@@ -293,7 +293,7 @@ class PdConnector(KVConnectorBase_V1):
             running.append((made, objective_s, first_s, getattr(request, "max_tokens", None)))
         if not running or in_hand <= 0:
             return 0.0  # first tokens are recorded above all the same
-        if self._slack == SLACK:
+        if self._budget_mode == SLACK:
             return pause_budget_s(now, running, self._pace.step_s)
         return pace_budget_s(running, self._pace.step_s)
 

@@ -3,10 +3,11 @@
 - Each system: its goodput as the search found it (a value, or a bound with its reason:
   below the floor, above the ceiling, unbracketed when the time budget ran out), and every
   rate it measured with attainment, throughput and latencies overall and per class.
-- `ratios`: pdserve / vLLM (`ratios_pdserve-whole`: the same for pdserve-whole). Goodput as a value when both were found, else as the interval
-  the two systems' goodput intervals allow (e.g. vLLM below the floor F: the ratio is at
-  least pdserve's goodput / F, reported as `goodput_rps_lower_bound`). Throughput and
-  latencies at one rate both systems were measured at: the highest such rate.
+- `ratios`: pdserve / vLLM (`ratios_pdserve-whole`: the same for pdserve-whole). Goodput
+  as a value when both were found, else as the interval the two systems' goodput
+  intervals allow (e.g. vLLM below the floor F: the ratio is at least pdserve's goodput /
+  F, reported as `goodput_rps_lower_bound`). Throughput and latencies at one rate both
+  systems were measured at: the highest such rate.
 - `others_idle_cores` per measurement (interleaved): the cores each idle system used while
   it ran; `config.mode` and `config.measured_in_order` say how the systems took turns.
 - `policy` (when pdserve and pdserve-fifo both ran): the interactive class at the first
@@ -143,6 +144,10 @@ def at_rate(system: dict, rate: float) -> dict:
     return next(e for e in system["measurements"] if e["rate_rps"] == rate)
 
 
+# Each pdserve system measured against vLLM: the JSON key of its ratios, and the system.
+RATIO_KEYS = (("ratios", "pdserve"), ("ratios_pdserve-whole", "pdserve-whole"))
+
+
 def ratios(pd: dict, vl: dict, pd_outcome: SearchOutcome | None,
            vl_outcome: SearchOutcome | None) -> dict:
     out = goodput_ratio(pd_outcome, vl_outcome)
@@ -212,13 +217,10 @@ def compare_dict(cfg: CompareConfig, result: CompareResult) -> dict:
     out: dict = {name: system_dict(s) for name, s in result.systems.items()}
     out["slo"] = slo_dict(result)
     c = result.calibration
-    if "pdserve" in out and "vllm" in out:
-        out["ratios"] = ratios(out["pdserve"], out["vllm"], result.systems["pdserve"].search,
-                               result.systems["vllm"].search)
-    if "pdserve-whole" in out and "vllm" in out:
-        out["ratios_pdserve-whole"] = ratios(out["pdserve-whole"], out["vllm"],
-                                             result.systems["pdserve-whole"].search,
-                                             result.systems["vllm"].search)
+    for key, pd in RATIO_KEYS:
+        if pd in out and "vllm" in out:
+            out[key] = ratios(out[pd], out["vllm"], result.systems[pd].search,
+                              result.systems["vllm"].search)
     if "pdserve" in result.systems and "pdserve-fifo" in result.systems:
         unloaded = c.unloaded.get(INTERACTIVE) if c is not None else None
         out["policy"] = policy_dict(result.systems["pdserve-fifo"], result.systems["pdserve"],
@@ -291,7 +293,7 @@ def format_compare(doc: dict) -> str:
                      else f"{g['bound_kind']} {g['bound_rps']:g} req/s ({g['status']})")
             rows.append(f"goodput: {value}")
         parts.append("\n".join(rows))
-    for key, pd in (("ratios", "pdserve"), ("ratios_pdserve-whole", "pdserve-whole")):
+    for key, pd in RATIO_KEYS:
         if key not in doc:
             continue
         r = doc[key]

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from gateway import metrics
 from gateway.admission import Forecast, Reason, Refusal, decide, predict_ttft_s
 from gateway.placement import (Placement, PlacementConfig, PrefixIndex, Where, move_stalled, pick_decode, place,
-                               stalled_after_s)
+                               rescue_long, stalled_after_s)
 from gateway.queue import Priority, QueueFull, RequestQueue, Ticket
 from gateway.workers import Seat, Worker, WorkerPool
 from pdserve import rpc
@@ -97,9 +97,15 @@ class Dispatcher:
         ahead = self.queue.tokens_ahead(ticket, now) + in_flight
         ttft = predict_ttft_s(ahead, ticket.num_prompt_tokens, sum(rates) if rates else None)
         decode = [w.decode_load(now) for w in self._workers.routable("decode")]
+        kv_tokens = ticket.num_prompt_tokens + ticket.max_tokens
+        if ttft is not None and (rescue := rescue_long(ticket.num_prompt_tokens, kv_tokens, decode,
+                                                       self._placement)) is not None:
+            # A decode worker would take it within its slack if the tier cannot start it in time.
+            if rescue.predicted_ttft_s is not None:
+                ttft = min(ttft, rescue.predicted_ttft_s)
         if ticket.num_prompt_tokens <= self._placement.local_prefill_max_tokens:
             local = [d.local_ttft_s(ticket.num_prompt_tokens, fitted_only=True)
-                     for d in decode if d.has_seat(ticket.num_prompt_tokens + ticket.max_tokens)]
+                     for d in decode if d.has_seat(kv_tokens)]
             known = [t for t in local if t is not None]
             if known:
                 ttft = min(known) if ttft is None else min(ttft, min(known))

@@ -4,7 +4,13 @@ Conditional disaggregation: a prompt is prefilled on a decode worker itself ("lo
 that gives its first token sooner than the trip through the prefill tier ("remote") and the
 decode worker's running requests can absorb the stall without missing their TPOT
 objectives: short prompts, an idle decode engine, a backed-up prefill tier. Long prompts
-always go to the prefill tier, which keeps them from disturbing decode.
+go to the prefill tier, which keeps them from disturbing decode, unless it would miss their
+TTFT objective and a decode worker would meet it within its running requests' slack
+("rescue", up to `PlacementConfig.rescue_prefill_max_tokens`): with both engines on the same
+cores, the prefill engine runs at idle priority and crawls beside a busy decode engine (seen
+in the long benchmark: a 663-token prompt sent beside one decoding request took 4.6-5.3 s to
+its first token, where colocated vLLM took 0.78 s); the decode engine then prefills it as a
+colocated engine would, stalling its running requests by no more than they can absorb.
 
 Remote: a prefill worker takes work only while the prompt tokens sent to it and not yet
 answered stay within a budget (one prompt is always allowed on an idle worker), so the
@@ -41,6 +47,9 @@ class PlacementConfig:
     prefill_queue_tokens: int = 1024
     # Longest prompt a decode worker may prefill itself; 0: always the prefill tier.
     local_prefill_max_tokens: int = 256
+    # Longest prompt a decode worker may prefill itself when the prefill tier would miss its
+    # TTFT objective (within the running requests' slack); 0: none beyond the limit above.
+    rescue_prefill_max_tokens: int = 4096
     # A remote prefill is stalled once it runs this many times its predicted time, and
     # never before stall_min_s (stall_unknown_s when nothing predicted it).
     stall_factor: float = 2.0
@@ -52,6 +61,8 @@ class PlacementConfig:
             raise ValueError(f"prefill queue budget must be >= 1 token, got {self.prefill_queue_tokens}")
         if self.local_prefill_max_tokens < 0:
             raise ValueError(f"local prefill limit must be >= 0, got {self.local_prefill_max_tokens}")
+        if self.rescue_prefill_max_tokens < 0:
+            raise ValueError(f"rescue prefill limit must be >= 0, got {self.rescue_prefill_max_tokens}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,14 +123,21 @@ def place(num_prompt_tokens: int, kv_tokens: int, prefill: list[PrefillLoad], de
     ``kv_tokens`` is what the request holds on a decode worker (prompt + max_tokens).
     ``remote_open`` False keeps the prefill tier for a ticket ahead that waits for it.
     ``ttft_budget_s``: time left to its TTFT objective. When the prefill tier would miss it
-    and a decode worker would not, the decode worker takes the prompt even beyond its
-    running requests' slack: a sure miss now is worse than a stall they may absorb.
+    and a decode worker would not, the decode worker takes the prompt: a short one even
+    beyond its running requests' slack (a sure miss now is worse than a stall they may
+    absorb), a longer one (up to ``cfg.rescue_prefill_max_tokens``) only within that slack
+    and only when the tier is known to miss (full, or slower than the budget at its
+    measured rate), since its stall is long.
     """
     remote = _best_remote(num_prompt_tokens, prefill, cfg) if remote_open else None
     local = _best_local(num_prompt_tokens, kv_tokens, decode, cfg)
-    if local is None and ttft_budget_s is not None and (
-            remote is None or remote.predicted_ttft_s is None or remote.predicted_ttft_s > ttft_budget_s):
-        rescue = _best_local(num_prompt_tokens, kv_tokens, decode, cfg, within_slack=False)
+    if local is None and ttft_budget_s is not None:
+        rescue = None
+        if num_prompt_tokens <= cfg.local_prefill_max_tokens:
+            if remote is None or remote.predicted_ttft_s is None or remote.predicted_ttft_s > ttft_budget_s:
+                rescue = _best_local(num_prompt_tokens, kv_tokens, decode, cfg, within_slack=False)
+        elif remote is None or (remote.predicted_ttft_s is not None and remote.predicted_ttft_s > ttft_budget_s):
+            rescue = rescue_long(num_prompt_tokens, kv_tokens, decode, cfg)
         if rescue is not None and rescue.predicted_ttft_s is not None and rescue.predicted_ttft_s <= ttft_budget_s:
             return rescue
     if local is None or remote is None:
@@ -133,6 +151,15 @@ def place(num_prompt_tokens: int, kv_tokens: int, prefill: list[PrefillLoad], de
         # takes the prompt within its slack, at a known rate, is the sure start.
         return local
     return local if local.predicted_ttft_s <= remote.predicted_ttft_s else remote
+
+
+def rescue_long(num_prompt_tokens: int, kv_tokens: int, decode: list[DecodeLoad],
+                cfg: PlacementConfig) -> Placement | None:
+    """The decode worker that would prefill a prompt longer than the local limit (up to the
+    rescue limit) soonest, idle or within its running requests' slack; None: none can."""
+    if num_prompt_tokens <= cfg.local_prefill_max_tokens:
+        return None
+    return _best_local(num_prompt_tokens, kv_tokens, decode, cfg, max_tokens=cfg.rescue_prefill_max_tokens)
 
 
 def stalled_after_s(num_prompt_tokens: int, predicted_ttft_s: float | None, cfg: PlacementConfig) -> float | None:
@@ -166,8 +193,11 @@ def _best_remote(num_prompt_tokens: int, prefill: list[PrefillLoad], cfg: Placem
 
 
 def _best_local(num_prompt_tokens: int, kv_tokens: int, decode: list[DecodeLoad],
-                cfg: PlacementConfig, within_slack: bool = True) -> Placement | None:
-    if num_prompt_tokens > cfg.local_prefill_max_tokens:
+                cfg: PlacementConfig, within_slack: bool = True, max_tokens: int | None = None) -> Placement | None:
+    """The decode worker whose local prefill gives the soonest first token: with a seat,
+    and idle or with running requests that absorb the stall (``within_slack``); None for a
+    prompt over ``max_tokens`` (default: the local prefill limit)."""
+    if num_prompt_tokens > (cfg.local_prefill_max_tokens if max_tokens is None else max_tokens):
         return None
     best: tuple[tuple[float, int], Placement] | None = None
     for d in decode:

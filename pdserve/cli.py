@@ -44,6 +44,10 @@ def _policy_args(p: argparse.ArgumentParser) -> None:
                    help="prompt tokens a prefill worker is sent beyond the one it runs")
     g.add_argument("--local-prefill-max-tokens", type=int, default=256,
                    help="longest prompt a decode worker may prefill itself when that is sooner (0: never)")
+    g.add_argument("--rescue-prefill-max-tokens", type=int, default=4096,
+                   help="longest prompt a decode worker may prefill itself when the prefill tier would miss "
+                        "its TTFT objective and the decode worker's running requests can absorb the stall "
+                        "(0: none longer than --local-prefill-max-tokens)")
     g.add_argument("--stream-intervals", default="1,4,8",
                    help="tokens gathered into one streamed message per class (fewer messages, less CPU)")
     g.add_argument("--decode-stream", choices=("shared", "per-request"), default="shared",
@@ -58,6 +62,7 @@ def policy_argv(args) -> list[str]:
             "--class-weights", args.class_weights, "--queue-limits", args.queue_limits,
             "--aging-s", str(args.aging_s), "--prefill-queue-tokens", str(args.prefill_queue_tokens),
             "--local-prefill-max-tokens", str(args.local_prefill_max_tokens),
+            "--rescue-prefill-max-tokens", str(args.rescue_prefill_max_tokens),
             "--stream-intervals", args.stream_intervals, "--decode-stream", args.decode_stream]
 
 
@@ -136,6 +141,7 @@ def cmd_gateway(args) -> int:
         aging_s=args.aging_s,
         prefill_queue_tokens=args.prefill_queue_tokens,
         local_prefill_max_tokens=args.local_prefill_max_tokens,
+        rescue_prefill_max_tokens=args.rescue_prefill_max_tokens,
         stream_intervals=per_class(args.stream_intervals, "--stream-intervals", int),
         decode_stream=args.decode_stream,
         heartbeat_interval_s=args.heartbeat_interval_s,

@@ -143,6 +143,9 @@ class GatewayConfig:
     prefill_queue_tokens: int = 1024
     # Longest prompt a decode worker may prefill itself (0: never).
     local_prefill_max_tokens: int = 256
+    # Longest prompt a decode worker may prefill itself when the prefill tier would miss its
+    # TTFT objective and the running requests absorb the stall (0: none beyond the above).
+    rescue_prefill_max_tokens: int = 4096
     # Per class: tokens a decode worker gathers into one streamed message (the first and
     # last go at once). Fewer messages cost the gateway less CPU; interactive streams get 1.
     stream_intervals: tuple[int, int, int] = (1, 4, 8)
@@ -176,6 +179,8 @@ class GatewayConfig:
             raise ValueError(f"--prefill-queue-tokens must be >= 1, got {self.prefill_queue_tokens}")
         if self.local_prefill_max_tokens < 0:
             raise ValueError(f"--local-prefill-max-tokens must be >= 0, got {self.local_prefill_max_tokens}")
+        if self.rescue_prefill_max_tokens < 0:
+            raise ValueError(f"--rescue-prefill-max-tokens must be >= 0, got {self.rescue_prefill_max_tokens}")
         if not 0 < self.heartbeat_interval_s < self.heartbeat_timeout_s:
             raise ValueError(
                 f"need 0 < --heartbeat-interval-s < --heartbeat-timeout-s, got "

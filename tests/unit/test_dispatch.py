@@ -126,6 +126,28 @@ def test_a_prefill_rate_measured_under_decode_load_does_not_refuse_a_prompt_sent
 
     assert run(scenario()) == Where.REMOTE
 
+def test_a_long_prompt_the_starved_tier_would_miss_is_admitted_and_prefilled_by_a_decode_worker():
+    async def scenario(rescue_max):
+        d, pool, _ = dispatcher(ttft=3.0, rescue_prefill_max_tokens=rescue_max)
+        d0, p0 = pool.by_address("d0"), pool.by_address("p0")
+        running = d._seat(ticket("running", 10))
+        running.first_token_s = 99.0
+        d0.seats.add(running)  # no TPOT objective: it absorbs any stall
+        d0.local_meter.start(99.0)
+        d0.local_meter.finish(1000, 100.0)  # 1,000 tok/s on the decode worker
+        p0.prefill_meter.start(90.0, contended=True)
+        p0.prefill_meter.finish(1000, 100.0, contended=True)  # 100 tok/s beside decode
+        try:
+            d.admit(ticket("long", 800, ttft=3.0))  # 8 s on the tier, 0.8 s on d0
+        except Refused as e:
+            return str(e)
+        grant = await d.acquire(ticket("long", 800, ttft=3.0))
+        return grant.placement.where, grant.placement.predicted_ttft_s, p0.queued_tokens
+
+    assert run(scenario(4096)) == (Where.LOCAL, pytest.approx(0.8), 0)
+    assert "predicted time to first token 8.00 s" in run(scenario(0))
+
+
 def test_fifo_policy_admits_everything_and_keeps_arrival_order():
     async def scenario():
         d, pool, clock = dispatcher("fifo", ttft=0.001, local_prefill_max_tokens=0)

@@ -17,6 +17,7 @@ from gateway.placement import (
     move_stalled,
     pick_decode,
     place,
+    rescue_long,
     stalled_after_s,
 )
 
@@ -38,9 +39,47 @@ def test_short_prompt_on_an_idle_decode_worker_is_prefilled_there():
     assert p.predicted_ttft_s == pytest.approx(64 / 200)
 
 
-def test_long_prompt_always_goes_to_the_prefill_tier():
+def test_long_prompt_goes_to_the_prefill_tier():
     p = place(2000, 2100, [prefill(queued=0)], [decode()], CFG)
     assert (p.where, p.worker) == (Where.REMOTE, "p0")
+    # An objective the tier meets changes nothing, idle decode worker or not.
+    p = place(2000, 2100, [prefill(queued=0)], [decode()], CFG, ttft_budget_s=10.5)
+    assert (p.where, p.worker) == (Where.REMOTE, "p0")
+
+
+def test_a_decode_worker_takes_a_long_prompt_within_its_slack_when_the_tier_would_miss_its_ttft():
+    # The prefill tier crawls beside a busy decode engine: 800 tokens at 200 tok/s is 4 s.
+    starved = [prefill(tps=200.0)]
+    busy = [decode(running=1, tps=1000.0, slack=3.0)]  # 0.8 s stall within 3 s of slack
+    assert place(800, 900, starved, busy, CFG).where is Where.REMOTE  # no objective
+    assert place(800, 900, starved, busy, CFG, ttft_budget_s=4.5).where is Where.REMOTE
+    rescued = place(800, 900, starved, busy, CFG, ttft_budget_s=3.0)
+    assert (rescued.where, rescued.worker, rescued.predicted_ttft_s) == (Where.LOCAL, "d0", pytest.approx(0.8))
+    # Not beyond the running requests' slack (a short prompt would be), nor past its budget.
+    tight = [decode(running=1, tps=1000.0, slack=0.5)]
+    assert place(800, 900, starved, tight, CFG, ttft_budget_s=3.0).where is Where.REMOTE
+    assert place(800, 900, starved, busy, CFG, ttft_budget_s=0.7).where is Where.REMOTE
+    # Nor over the rescue limit, nor when the tier's rate is unknown (nothing says it misses).
+    capped = PlacementConfig(prefill_queue_tokens=1024, local_prefill_max_tokens=256, rescue_prefill_max_tokens=512)
+    assert place(800, 900, starved, busy, capped, ttft_budget_s=3.0).where is Where.REMOTE
+    assert place(800, 900, [prefill(tps=None)], busy, CFG, ttft_budget_s=3.0).where is Where.REMOTE
+
+
+def test_a_long_prompt_the_full_prefill_tier_cannot_take_goes_to_a_decode_worker_in_time():
+    full = [prefill(queued=900)]  # 800 more would pass the 1,024-token budget: no room
+    busy = [decode(running=2, tps=1000.0, slack=2.0)]
+    assert place(800, 900, full, busy, CFG) is None  # it waits for the tier
+    assert place(800, 900, full, busy, CFG, ttft_budget_s=3.0).where is Where.LOCAL
+    assert place(800, 900, full, busy, CFG, remote_open=False, ttft_budget_s=3.0).where is Where.LOCAL
+    assert place(800, 900, full, busy, CFG, ttft_budget_s=0.5) is None
+
+
+def test_rescue_long_is_for_prompts_between_the_local_and_the_rescue_limits():
+    busy = [decode(running=1, tps=1000.0, slack=3.0)]
+    assert rescue_long(200, 300, busy, CFG) is None  # a short prompt has its own rules
+    assert rescue_long(800, 900, busy, CFG).predicted_ttft_s == pytest.approx(0.8)
+    assert rescue_long(5000, 5100, busy, CFG) is None
+    assert rescue_long(800, 900, [decode(running=1, tps=1000.0, slack=0.5)], CFG) is None
 
 
 def test_short_prompt_goes_remote_when_that_finishes_sooner():

@@ -56,7 +56,8 @@ class ServiceMeter:
     recent completion the rate is unknown and the next request is admitted to measure it.
 
     Each completion is also marked ``contended`` when the decode tier had requests running
-    as its busy time began or as it ended: on cores shared by both engines (`pdserve up`'s
+    at any time in its busy time (as it began, joined during it: `contend`, or as it
+    ended): on cores shared by both engines (`pdserve up`'s
     default) a prefill at idle priority under decode load runs at a fraction of its rate
     alone. ``tokens_per_s(..., contended=...)`` reads the completions made the same way;
     with none recent, a rate measured alone stands in for one beside decode (an optimistic
@@ -79,6 +80,14 @@ class ServiceMeter:
             self._busy_since_s = now_s
             self._busy_contended = contended
         self._num_busy += 1
+
+    def contend(self) -> None:
+        """A decode request started running: the busy time in progress is contended. Seen
+        in the mixed benchmark: a completion whose busy time began and ended with decode
+        idle, while interactive requests came and went in between, read 304 tokens/s as
+        a rate "alone" (about 1,000 alone) and refused an offline prompt on it."""
+        if self._num_busy:
+            self._busy_contended = True
 
     def finish(self, num_tokens: int, now_s: float, contended: bool = False) -> None:
         assert self._num_busy > 0 and self._busy_since_s is not None

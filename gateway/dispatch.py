@@ -337,12 +337,13 @@ class Dispatcher:
         self._join(worker, seat, self._clock())
         return worker, seat
 
-    @staticmethod
-    def _join(worker: Worker, seat: Seat, now: float) -> None:
+    def _join(self, worker: Worker, seat: Seat, now: float) -> None:
         seat.predicted_step_s = step = worker.join_step_s(seat.max_tokens, now)
         seat.forecast_tpot_s = None if step is None else step * worker.tpot_ratio.ratio(now)
         worker.join_meter.observe(seat.max_tokens, now)
         worker.seats.add(seat)
+        for w in self._workers.routable("prefill"):
+            w.prefill_meter.contend()  # prefills in progress now run beside decode
 
     def _serve_seat_waiters(self, now: float) -> None:
         while self._seat_waiters:

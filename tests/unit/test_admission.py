@@ -80,6 +80,18 @@ def test_service_meter_reads_completions_made_under_the_same_decode_load():
     assert m.tokens_per_s(32.0, contended=False) == pytest.approx(1000.0)
 
 
+def test_a_busy_time_that_decode_requests_joined_midway_is_contended():
+    m = ServiceMeter()
+    m.contend()  # nothing busy: nothing to mark
+    m.start(0.0, contended=False)
+    m.finish(1000, 1.0, contended=False)  # alone: 1,000 tok/s
+    m.start(10.0, contended=False)
+    m.contend()  # an interactive request came and went while it ran
+    m.finish(300, 11.0, contended=False)
+    assert m.tokens_per_s(11.0, contended=False) == pytest.approx(1000.0)
+    assert m.tokens_per_s(11.0, contended=True) == pytest.approx(300.0)
+
+
 def test_service_meter_cancel_leaves_no_sample():
     m = ServiceMeter()
     m.start(0.0)

@@ -148,6 +148,23 @@ def test_a_long_prompt_the_starved_tier_would_miss_is_admitted_and_prefilled_by_
     assert "predicted time to first token 8.00 s" in run(scenario(0))
 
 
+def test_a_prefill_that_a_decode_request_ran_beside_is_measured_as_contended():
+    async def scenario():
+        d, pool, clock = dispatcher(ttft=5.0)
+        p0 = pool.by_address("p0")
+        await d.acquire(ticket("long", 1000))  # decode idle: remote, alone
+        short = await d.acquire(ticket("short", 50))  # the idle decode worker takes it
+        assert short.placement.where is Where.LOCAL
+        clock.now = 100.2
+        d.release(pool.by_address("d0"), short.seat, finished=True)  # gone before the prefill ends
+        clock.now = 102.0
+        d.prefill_done(p0, ticket("long", 1000), num_cached_tokens=0)
+        return (p0.prefill_meter.tokens_per_s(clock.now, contended=True),
+                p0.prefill_meter.tokens_per_s(clock.now, contended=False))
+
+    assert run(scenario()) == (pytest.approx(500.0), None)
+
+
 def test_fifo_policy_admits_everything_and_keeps_arrival_order():
     async def scenario():
         d, pool, clock = dispatcher("fifo", ttft=0.001, local_prefill_max_tokens=0)

@@ -99,7 +99,7 @@ class Dispatcher:
         decode = [w.decode_load(now) for w in self._workers.routable("decode")]
         kv_tokens = ticket.num_prompt_tokens + ticket.max_tokens
         if ttft is not None and (rescue := rescue_long(ticket.num_prompt_tokens, kv_tokens, decode,
-                                                       self._placement)) is not None:
+                                                       self._placement, self._rescue_rate(now))) is not None:
             # A decode worker would take it within its slack if the tier cannot start it in time.
             if rescue.predicted_ttft_s is not None:
                 ttft = min(ttft, rescue.predicted_ttft_s)
@@ -223,7 +223,14 @@ class Dispatcher:
         decode = [w.decode_load(now) for w in self._workers.routable("decode")]
         budget = None if ticket.ttft_slo_s is None else ticket.arrival_s + ticket.ttft_slo_s - now
         return place(ticket.num_prompt_tokens, ticket.num_prompt_tokens + ticket.max_tokens,
-                     prefill, decode, self._placement, remote_open, budget if self._admission else None)
+                     prefill, decode, self._placement, remote_open, budget if self._admission else None,
+                     self._rescue_rate(now))
+
+    def _rescue_rate(self, now: float) -> float | None:
+        """The prefill tier's fastest recent rate with decode idle: what a decode worker that
+        has timed no prefill of its own is taken to prefill a rescued long prompt at."""
+        return max((r for w in self._workers.routable("prefill")
+                    if (r := w.prefill_meter.tokens_per_s(now, contended=False))), default=None)
 
     def _reserve(self, ticket: Ticket, placement: Placement, now: float) -> Seat | None:
         worker = self._workers.by_address(placement.worker)

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
 
 
@@ -117,7 +117,8 @@ class Placement:
 
 
 def place(num_prompt_tokens: int, kv_tokens: int, prefill: list[PrefillLoad], decode: list[DecodeLoad],
-          cfg: PlacementConfig, remote_open: bool = True, ttft_budget_s: float | None = None) -> Placement | None:
+          cfg: PlacementConfig, remote_open: bool = True, ttft_budget_s: float | None = None,
+          rescue_rate: float | None = None) -> Placement | None:
     """Where to prefill a prompt now; None: nowhere has room, wait.
 
     ``kv_tokens`` is what the request holds on a decode worker (prompt + max_tokens).
@@ -127,7 +128,8 @@ def place(num_prompt_tokens: int, kv_tokens: int, prefill: list[PrefillLoad], de
     beyond its running requests' slack (a sure miss now is worse than a stall they may
     absorb), a longer one (up to ``cfg.rescue_prefill_max_tokens``) only within that slack
     and only when the tier is known to miss (full, or slower than the budget at its
-    measured rate), since its stall is long.
+    measured rate), since its stall is long; ``rescue_rate`` stands in for the prefill rate
+    of a decode worker that has measured none (`rescue_long`).
     """
     remote = _best_remote(num_prompt_tokens, prefill, cfg) if remote_open else None
     local = _best_local(num_prompt_tokens, kv_tokens, decode, cfg)
@@ -137,7 +139,7 @@ def place(num_prompt_tokens: int, kv_tokens: int, prefill: list[PrefillLoad], de
             if remote is None or remote.predicted_ttft_s is None or remote.predicted_ttft_s > ttft_budget_s:
                 rescue = _best_local(num_prompt_tokens, kv_tokens, decode, cfg, within_slack=False)
         elif remote is None or (remote.predicted_ttft_s is not None and remote.predicted_ttft_s > ttft_budget_s):
-            rescue = rescue_long(num_prompt_tokens, kv_tokens, decode, cfg)
+            rescue = rescue_long(num_prompt_tokens, kv_tokens, decode, cfg, rescue_rate)
         if rescue is not None and rescue.predicted_ttft_s is not None and rescue.predicted_ttft_s <= ttft_budget_s:
             return rescue
     if local is None or remote is None:
@@ -154,11 +156,18 @@ def place(num_prompt_tokens: int, kv_tokens: int, prefill: list[PrefillLoad], de
 
 
 def rescue_long(num_prompt_tokens: int, kv_tokens: int, decode: list[DecodeLoad],
-                cfg: PlacementConfig) -> Placement | None:
+                cfg: PlacementConfig, rescue_rate: float | None = None) -> Placement | None:
     """The decode worker that would prefill a prompt longer than the local limit (up to the
-    rescue limit) soonest, idle or within its running requests' slack; None: none can."""
+    rescue limit) soonest, idle or within its running requests' slack; None: none can.
+
+    A decode worker that has prefilled nothing itself lately (no short prompts come, as in
+    a workload of long ones only) has no rate to judge a rescue by; ``rescue_rate`` (the
+    dispatcher passes the prefill tier's rate alone: the same model, with the cores to
+    itself as the decode engine at normal priority has them) stands in for it."""
     if num_prompt_tokens <= cfg.local_prefill_max_tokens:
         return None
+    if rescue_rate:
+        decode = [d if d.local_tokens_per_s else replace(d, local_tokens_per_s=rescue_rate) for d in decode]
     return _best_local(num_prompt_tokens, kv_tokens, decode, cfg, max_tokens=cfg.rescue_prefill_max_tokens)
 
 

@@ -81,7 +81,7 @@ def test_a_deadline_passing_in_the_queue_ends_the_request_before_any_worker():
 
 def test_admission_refuses_a_predicted_ttft_miss_with_a_retry_hint():
     async def scenario():
-        d, pool, _ = dispatcher(ttft=2.0, local_prefill_max_tokens=0)
+        d, pool, _ = dispatcher(ttft=2.0, local_prefill_max_tokens=0, rescue_prefill_max_tokens=0)
         measured_prefill(pool, 1000)  # 100 tok/s
         d.admit(ticket("fits", 150, ttft=2.0))  # 1.5 s
         await d.acquire(ticket("fits", 150, ttft=2.0))  # now 150 tokens in flight
@@ -96,7 +96,7 @@ def test_admission_refuses_a_predicted_ttft_miss_with_a_retry_hint():
 def test_an_estimate_with_no_recent_completion_refuses_nothing():
     # The refused requests never reach the tier, so a slow old estimate would refuse forever.
     async def scenario():
-        d, pool, clock = dispatcher(ttft=2.0, local_prefill_max_tokens=0)
+        d, pool, clock = dispatcher(ttft=2.0, local_prefill_max_tokens=0, rescue_prefill_max_tokens=0)
         p0 = measured_prefill(pool, 10)  # 1 tok/s
         with pytest.raises(Refused):
             d.admit(ticket("slow", 100, ttft=2.0))
@@ -107,7 +107,7 @@ def test_an_estimate_with_no_recent_completion_refuses_nothing():
 
 def test_a_prefill_rate_measured_under_decode_load_does_not_refuse_a_prompt_sent_with_decode_idle():
     async def scenario():
-        d, pool, clock = dispatcher(ttft=2.0, local_prefill_max_tokens=0)
+        d, pool, clock = dispatcher(ttft=2.0, local_prefill_max_tokens=0, rescue_prefill_max_tokens=0)
         d0, p0 = pool.by_address("d0"), pool.by_address("p0")
         d0.seats.add(d._seat(ticket("running", 10)))
         p0.prefill_meter.start(90.0, contended=True)
@@ -148,6 +148,24 @@ def test_a_long_prompt_the_starved_tier_would_miss_is_admitted_and_prefilled_by_
     assert "predicted time to first token 8.00 s" in run(scenario(0))
 
 
+def test_with_no_local_prefill_timed_a_long_prompt_is_rescued_at_the_tiers_rate_alone():
+    async def scenario():
+        d, pool, _ = dispatcher(ttft=3.0)
+        d0, p0 = pool.by_address("d0"), pool.by_address("p0")
+        running = d._seat(ticket("running", 1000))
+        running.first_token_s = 99.0
+        d0.seats.add(running)
+        p0.prefill_meter.start(80.0, contended=False)
+        p0.prefill_meter.finish(2000, 82.0, contended=False)  # 1,000 tok/s with decode idle
+        p0.prefill_meter.start(90.0, contended=True)
+        p0.prefill_meter.finish(1000, 100.0, contended=True)  # 100 tok/s beside decode
+        d.admit(ticket("long", 800, ttft=3.0))  # 8 s on the tier; 0.8 s on d0 at 1,000 tok/s
+        grant = await d.acquire(ticket("long", 800, ttft=3.0))
+        return grant.placement.where, grant.placement.predicted_ttft_s
+
+    assert run(scenario()) == (Where.LOCAL, pytest.approx(0.8))
+
+
 def test_a_prefill_that_a_decode_request_ran_beside_is_measured_as_contended():
     async def scenario():
         d, pool, clock = dispatcher(ttft=5.0)
@@ -167,7 +185,7 @@ def test_a_prefill_that_a_decode_request_ran_beside_is_measured_as_contended():
 
 def test_fifo_policy_admits_everything_and_keeps_arrival_order():
     async def scenario():
-        d, pool, clock = dispatcher("fifo", ttft=0.001, local_prefill_max_tokens=0)
+        d, pool, clock = dispatcher("fifo", ttft=0.001, local_prefill_max_tokens=0, rescue_prefill_max_tokens=0)
         p0 = measured_prefill(pool, 10)  # 1 tok/s: every TTFT objective would be missed
         got = []
 
@@ -189,7 +207,7 @@ def test_fifo_policy_admits_everything_and_keeps_arrival_order():
 
 def test_a_queued_request_that_can_no_longer_meet_its_ttft_objective_is_refused_at_dispatch():
     async def scenario():
-        d, pool, clock = dispatcher(local_prefill_max_tokens=0, prefill_queue_tokens=600)
+        d, pool, clock = dispatcher(local_prefill_max_tokens=0, rescue_prefill_max_tokens=0, prefill_queue_tokens=600)
         p0 = measured_prefill(pool, 1000)  # 100 tok/s
         busy = await d.acquire(ticket("busy", 500))
         late = asyncio.create_task(d.acquire(ticket("late", 300, ttft=5.0)))  # waits: the budget holds "busy"
@@ -205,7 +223,7 @@ def test_a_queued_request_that_can_no_longer_meet_its_ttft_objective_is_refused_
 
 def test_a_queued_request_is_refused_when_its_ttft_objective_passes():
     async def scenario():
-        d, pool, clock = dispatcher(local_prefill_max_tokens=0, prefill_queue_tokens=600)
+        d, pool, clock = dispatcher(local_prefill_max_tokens=0, rescue_prefill_max_tokens=0, prefill_queue_tokens=600)
         busy = await d.acquire(ticket("busy", 500))  # holds the tier: no rate measured yet
         waiting = asyncio.create_task(d.acquire(ticket("waiting", 300, ttft=2.0)))
         patient = asyncio.create_task(d.acquire(ticket("patient", 300)))  # no objective
@@ -225,7 +243,8 @@ def test_a_queued_request_is_refused_when_its_ttft_objective_passes():
 
 def test_fifo_never_refuses_a_queued_request_on_its_objective():
     async def scenario():
-        d, pool, clock = dispatcher(policy="fifo", local_prefill_max_tokens=0, prefill_queue_tokens=600)
+        d, pool, clock = dispatcher(policy="fifo", local_prefill_max_tokens=0, rescue_prefill_max_tokens=0,
+                                    prefill_queue_tokens=600)
         await d.acquire(ticket("busy", 500))
         waiting = asyncio.create_task(d.acquire(ticket("waiting", 300, ttft=2.0)))
         await asyncio.sleep(0)

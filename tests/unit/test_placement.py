@@ -74,6 +74,20 @@ def test_a_long_prompt_the_full_prefill_tier_cannot_take_goes_to_a_decode_worker
     assert place(800, 900, full, busy, CFG, ttft_budget_s=0.5) is None
 
 
+def test_a_decode_worker_that_has_timed_no_prefill_is_judged_at_the_rescue_rate():
+    # Long prompts only: the decode worker never prefilled one itself, so it has no rate.
+    starved = [prefill(tps=200.0)]
+    unmeasured = [decode(running=1, tps=None, slack=3.0)]
+    assert place(800, 900, starved, unmeasured, CFG, ttft_budget_s=3.0).where is Where.REMOTE
+    rescued = place(800, 900, starved, unmeasured, CFG, ttft_budget_s=3.0, rescue_rate=1000.0)
+    assert (rescued.where, rescued.predicted_ttft_s) == (Where.LOCAL, pytest.approx(0.8))
+    # A measured rate of its own wins over the stand-in.
+    measured = [decode(running=1, tps=500.0, slack=3.0)]
+    assert rescue_long(800, 900, measured, CFG, rescue_rate=1000.0).predicted_ttft_s == pytest.approx(1.6)
+    # Short prompts keep their own rules: no stand-in rate for them (it waits for the tier).
+    assert place(200, 300, [prefill(queued=900)], unmeasured, CFG, ttft_budget_s=3.0, rescue_rate=1000.0) is None
+
+
 def test_rescue_long_is_for_prompts_between_the_local_and_the_rescue_limits():
     busy = [decode(running=1, tps=1000.0, slack=3.0)]
     assert rescue_long(200, 300, busy, CFG) is None  # a short prompt has its own rules

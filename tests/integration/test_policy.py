@@ -206,6 +206,33 @@ def test_a_short_prompt_stalled_on_the_prefill_tier_is_moved_to_the_decode_worke
     assert any("request stall-short: prefill worker" in line and "did not answer" in line for line in stack.log)
 
 
+def test_a_long_prompt_the_prefill_tier_cannot_start_in_time_is_prefilled_on_the_decode_worker(stack, prompts):
+    """The prefill worker holds a 1,000-token prompt (its engine stopped, as when a busy decode
+    engine keeps it off the cores): a 600-token prompt with a 5 s TTFT objective does not fit
+    the tier's budget (1,024 tokens), so it would wait there past its objective; the decode
+    worker, idle, prefills it itself instead (a rescue), and the prefill worker never sees it."""
+    call(stack, request(prompts(60, 600), "rescue-warm"))  # the tier's rate with decode idle
+    busy = request(prompts(61, 1000), "rescue-busy", OFFLINE)
+    engine = psutil.Process(_prefill_worker_pid(stack)).children(recursive=True)
+    assert engine, "the prefill worker has no engine processes"
+    with ThreadPoolExecutor(1) as pool:
+        running = pool.submit(call, stack, busy)
+        wait_for(lambda: prefill_order(stack, {"rescue-busy"}) or running.done(), 30)
+        for p in engine:
+            p.suspend()
+        try:
+            assert not running.done()
+            replies, route = call_routed(stack, request(prompts(62, 600), "rescue-long", max_tokens=4,
+                                                        ttft_ms=5000), timeout_s=60)
+        finally:
+            for p in engine:
+                p.resume()
+        assert running.result()[-1].usage.completion_tokens == 2
+    assert replies[-1].usage.completion_tokens == 4
+    assert route["pdserve-prefill"] == "local"
+    assert prefill_order(stack, {"rescue-long"}) == []
+
+
 def _prefill_worker_pid(stack) -> int:
     for p in psutil.Process(stack.proc.pid).children(recursive=True):
         if "prefill" in p.cmdline() and "pdserve.cli" in p.cmdline():

@@ -173,6 +173,8 @@ class Dispatcher:
             seat = self._reserve(ticket, placement, now)
             metrics.QUEUE_WAIT.labels(ticket.priority.label).observe(now - ticket.arrival_s)
             metrics.PLACEMENTS.labels(placement.where.value).inc()
+            if placement.where is Where.LOCAL and ticket.num_prompt_tokens > self._placement.local_prefill_max_tokens:
+                metrics.RESCUED_PREFILLS.inc()
             self._waiting.pop(ticket).set_result(Grant(placement, seat))
         self._observe_queue()
         self._arm_timer()

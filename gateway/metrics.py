@@ -64,6 +64,12 @@ MOVED_PREFILLS = Counter(
     "Remote prefills that did not answer within twice their predicted time and were taken "
     "back and prefilled on a decode worker instead.",
 )
+RESCUED_PREFILLS = Counter(
+    "pdserve_prefills_rescued",
+    "Prompts longer than --local-prefill-max-tokens prefilled on a decode worker because the "
+    "prefill tier was full or measured too slow for their TTFT objective (a sign the prefill "
+    "tier is short of capacity).",
+)
 TPOT_FORECAST_RATIO = Histogram(
     "pdserve_tpot_forecast_ratio",
     "Finished requests' measured time per output token over the TPOT that admission "

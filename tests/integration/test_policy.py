@@ -211,6 +211,7 @@ def test_a_long_prompt_the_prefill_tier_cannot_start_in_time_is_prefilled_on_the
     engine keeps it off the cores): a 600-token prompt with a 5 s TTFT objective does not fit
     the tier's budget (1,024 tokens), so it would wait there past its objective; the decode
     worker, idle, prefills it itself instead (a rescue), and the prefill worker never sees it."""
+    rescued_before = stack.metric(0, "pdserve_prefills_rescued_total", default=0.0)
     call(stack, request(prompts(60, 600), "rescue-warm"))  # the tier's rate with decode idle
     busy = request(prompts(61, 1000), "rescue-busy", OFFLINE)
     engine = psutil.Process(_prefill_worker_pid(stack)).children(recursive=True)
@@ -231,6 +232,7 @@ def test_a_long_prompt_the_prefill_tier_cannot_start_in_time_is_prefilled_on_the
     assert replies[-1].usage.completion_tokens == 4
     assert route["pdserve-prefill"] == "local"
     assert prefill_order(stack, {"rescue-long"}) == []
+    assert stack.metric(0, "pdserve_prefills_rescued_total") - rescued_before == 1
 
 
 def _prefill_worker_pid(stack) -> int:

@@ -173,11 +173,14 @@ class Dispatcher:
             seat = self._reserve(ticket, placement, now)
             metrics.QUEUE_WAIT.labels(ticket.priority.label).observe(now - ticket.arrival_s)
             metrics.PLACEMENTS.labels(placement.where.value).inc()
-            if placement.where is Where.LOCAL and ticket.num_prompt_tokens > self._placement.local_prefill_max_tokens:
-                metrics.RESCUED_PREFILLS.inc()
+            self._count_rescue(ticket, placement)
             self._waiting.pop(ticket).set_result(Grant(placement, seat))
         self._observe_queue()
         self._arm_timer()
+
+    def _count_rescue(self, ticket: Ticket, placement: Placement) -> None:
+        if placement.where is Where.LOCAL and ticket.num_prompt_tokens > self._placement.local_prefill_max_tokens:
+            metrics.RESCUED_PREFILLS.inc()
 
     def _hopeless(self, ticket: Ticket, placement: Placement, now: float) -> bool:
         """A queued request whose first token can no longer come within its objective is
@@ -320,7 +323,7 @@ class Dispatcher:
         decode = [w.decode_load(now) for w in self._workers.routable("decode")]
         budget = None if ticket.ttft_slo_s is None else ticket.arrival_s + ticket.ttft_slo_s - now
         placement = move_stalled(ticket.num_prompt_tokens, ticket.num_prompt_tokens + ticket.max_tokens, decode,
-                                 self._placement, budget if self._admission else None)
+                                 self._placement, budget if self._admission else None, self._rescue_rate(now))
         if placement is None:
             return None
         worker.queued_tokens -= ticket.num_prompt_tokens
@@ -329,6 +332,7 @@ class Dispatcher:
         seat = self._reserve(ticket, placement, now)
         metrics.MOVED_PREFILLS.inc()
         metrics.PLACEMENTS.labels(placement.where.value).inc()
+        self._count_rescue(ticket, placement)
         self.pump()  # the prefill tier has room again
         return Grant(placement, seat)
 

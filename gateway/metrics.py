@@ -67,8 +67,8 @@ MOVED_PREFILLS = Counter(
 RESCUED_PREFILLS = Counter(
     "pdserve_prefills_rescued",
     "Prompts longer than --local-prefill-max-tokens prefilled on a decode worker because the "
-    "prefill tier was full or measured too slow for their TTFT objective (a sign the prefill "
-    "tier is short of capacity).",
+    "prefill tier was full or measured too slow for their TTFT objective, or stalled there "
+    "(those count as moved too): a sign the prefill tier is short of capacity.",
 )
 TPOT_FORECAST_RATIO = Histogram(
     "pdserve_tpot_forecast_ratio",

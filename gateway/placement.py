@@ -173,8 +173,11 @@ def rescue_long(num_prompt_tokens: int, kv_tokens: int, decode: list[DecodeLoad]
 
 def stalled_after_s(num_prompt_tokens: int, predicted_ttft_s: float | None, cfg: PlacementConfig) -> float | None:
     """How long a remote prefill may go unanswered before it is moved to a decode worker;
-    None: never (a prompt too long to prefill there)."""
-    if num_prompt_tokens > cfg.local_prefill_max_tokens:
+    None: never (a prompt too long to prefill there). A prompt over the local limit moves
+    only as a rescue (`move_stalled` with its TTFT budget): seen in the long benchmark on an
+    AVX2 machine, prompts sent to the tier at a rate measured with decode idle crawled beside
+    the decodes that started after them, to first tokens at 20 and 26 s against 11 s."""
+    if num_prompt_tokens > max(cfg.local_prefill_max_tokens, cfg.rescue_prefill_max_tokens):
         return None
     if predicted_ttft_s is None:
         return cfg.stall_unknown_s
@@ -182,10 +185,11 @@ def stalled_after_s(num_prompt_tokens: int, predicted_ttft_s: float | None, cfg:
 
 
 def move_stalled(num_prompt_tokens: int, kv_tokens: int, decode: list[DecodeLoad], cfg: PlacementConfig,
-                 ttft_budget_s: float | None = None) -> Placement | None:
+                 ttft_budget_s: float | None = None, rescue_rate: float | None = None) -> Placement | None:
     """A decode worker to prefill a stalled remote prompt; None: none can take it now (by
     the same rules as a new placement, the prefill tier left out)."""
-    return place(num_prompt_tokens, kv_tokens, [], decode, cfg, remote_open=False, ttft_budget_s=ttft_budget_s)
+    return place(num_prompt_tokens, kv_tokens, [], decode, cfg, remote_open=False, ttft_budget_s=ttft_budget_s,
+                 rescue_rate=rescue_rate)
 
 
 def _best_remote(num_prompt_tokens: int, prefill: list[PrefillLoad], cfg: PlacementConfig) -> Placement | None:

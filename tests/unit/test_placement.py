@@ -209,11 +209,14 @@ def test_short_prompt_goes_local_when_the_tier_rate_is_unknown_and_the_decode_ra
     assert place(40, 80, [prefill(tps=None)], [decode(running=2, tps=None)], CFG).where is Where.REMOTE
 
 
-def test_a_remote_prefill_is_stalled_after_twice_its_prediction_and_never_for_a_long_prompt():
+def test_a_remote_prefill_is_stalled_after_twice_its_prediction_and_never_past_the_rescue_limit():
     assert stalled_after_s(100, 0.5, CFG) == pytest.approx(1.0)
     assert stalled_after_s(100, 0.05, CFG) == pytest.approx(0.25)  # never before stall_min_s
     assert stalled_after_s(100, None, CFG) == pytest.approx(1.0)  # nothing predicted it
-    assert stalled_after_s(257, 0.5, CFG) is None  # too long for a decode worker: it stays
+    assert stalled_after_s(1000, 3.0, CFG) == pytest.approx(6.0)  # a rescue may move it
+    assert stalled_after_s(4097, 3.0, CFG) is None  # too long for a decode worker: it stays
+    no_rescue = PlacementConfig(prefill_queue_tokens=1024, local_prefill_max_tokens=256, rescue_prefill_max_tokens=0)
+    assert stalled_after_s(257, 0.5, no_rescue) is None
 
 
 def test_a_stalled_prompt_moves_to_the_decode_worker_that_takes_it_soonest():
@@ -228,7 +231,15 @@ def test_a_stalled_prompt_stays_when_no_decode_worker_can_take_it():
     no_slack = decode(running=3, tps=100.0, slack=0.1)  # a 0.4 s stall breaks their objectives
     assert move_stalled(40, 80, [no_slack], CFG) is None
     assert move_stalled(40, 80, [decode(running=64, max_seqs=64)], CFG) is None  # no seat
-    assert move_stalled(300, 400, [decode()], CFG) is None  # too long
+    assert move_stalled(300, 400, [decode()], CFG) is None  # too long, with no objective to rescue
+    # A long prompt moves within the running requests' slack when that meets its objective.
+    slack = decode(running=2, tps=1000.0, slack=1.0)
+    assert move_stalled(800, 900, [slack], CFG, ttft_budget_s=2.0).predicted_ttft_s == pytest.approx(0.8)
+    assert move_stalled(800, 900, [slack], CFG, ttft_budget_s=0.5) is None
+    assert move_stalled(1200, 1300, [slack], CFG, ttft_budget_s=2.0) is None  # a 1.2 s stall
+    unmeasured = decode(running=2, tps=None, slack=1.0)
+    assert move_stalled(800, 900, [unmeasured], CFG, ttft_budget_s=2.0) is None
+    assert move_stalled(800, 900, [unmeasured], CFG, ttft_budget_s=2.0, rescue_rate=1000.0).where is Where.LOCAL
     # Its TTFT objective is missed where it is, and met on a decode worker: moved beyond slack.
     p = move_stalled(40, 80, [no_slack], CFG, ttft_budget_s=0.5)
     assert (p.where, p.worker) == (Where.LOCAL, "d0")

@@ -235,6 +235,29 @@ def test_a_long_prompt_the_prefill_tier_cannot_start_in_time_is_prefilled_on_the
     assert stack.metric(0, "pdserve_prefills_rescued_total") - rescued_before == 1
 
 
+def test_a_long_prompt_stalled_on_the_prefill_tier_is_moved_to_the_decode_worker_in_time(stack, prompts):
+    """With the prefill engine stopped, a 600-token prompt with an 8 s TTFT objective, sent to
+    the tier (empty, and fast when last measured), is taken back after twice its predicted
+    time and prefilled on the decode worker while that still meets its objective."""
+    moved_before = stack.metric(0, "pdserve_prefills_moved_total", default=0.0)
+    rescued_before = stack.metric(0, "pdserve_prefills_rescued_total", default=0.0)
+    call(stack, request(prompts(63, 600), "stall-long-warm"))  # the tier's rate with decode idle
+    engine = psutil.Process(_prefill_worker_pid(stack)).children(recursive=True)
+    assert engine, "the prefill worker has no engine processes"
+    for p in engine:
+        p.suspend()
+    try:
+        replies, route = call_routed(stack, request(prompts(64, 600), "stall-long", max_tokens=4, ttft_ms=8000),
+                                     timeout_s=60)
+    finally:
+        for p in engine:
+            p.resume()
+    assert replies[-1].usage.completion_tokens == 4
+    assert route["pdserve-prefill"] == "moved"
+    assert stack.metric(0, "pdserve_prefills_moved_total") - moved_before == 1
+    assert stack.metric(0, "pdserve_prefills_rescued_total") - rescued_before == 1
+
+
 def _prefill_worker_pid(stack) -> int:
     for p in psutil.Process(stack.proc.pid).children(recursive=True):
         if "prefill" in p.cmdline() and "pdserve.cli" in p.cmdline():

@@ -7,7 +7,7 @@ the workers that placement and admission read.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from gateway.workers import Worker, WorkerPool
 from pdserve import rpc
@@ -17,11 +17,13 @@ SERVICE_NAME = "pdserve.worker.v1.Registry"
 
 
 class RegistryServicer(worker_pb2_grpc.RegistryServicer):
-    def __init__(self, workers: WorkerPool, heartbeat_interval_s: float, on_change: Callable[[], None],
+    def __init__(self, workers: WorkerPool, heartbeat_interval_s: float, on_change: Callable[[], Awaitable[None]],
                  clock: Callable[[], float] = time.monotonic) -> None:
         self._workers = workers
         self._interval_s = heartbeat_interval_s
-        self._on_change = on_change  # the dispatcher's pump: room may have appeared
+        # Told when a worker joins, returns, leaves or drains: the dispatcher's pump (room may
+        # have appeared) and the gateway's health.
+        self._on_change = on_change
         self._clock = clock
 
     @rpc.rpc_errors
@@ -34,7 +36,7 @@ class RegistryServicer(worker_pb2_grpc.RegistryServicer):
             self._workers.register(request.info, request.address, request.metrics_url, self._clock())
         except ValueError as e:
             raise rpc.FailedPrecondition(str(e)) from e
-        self._on_change()
+        await self._on_change()
         return worker_pb2.RegisterResponse(heartbeat_interval_s=self._interval_s)
 
     @rpc.rpc_errors
@@ -43,11 +45,13 @@ class RegistryServicer(worker_pb2_grpc.RegistryServicer):
             drain = self._workers.heartbeat(request.worker_id, request.load, request.draining, self._clock())
         except KeyError as e:
             raise rpc.NotFound(f"worker {request.worker_id!r} is not registered here; register again") from e
+        await self._on_change()  # a worker out of rotation is back with its heartbeat
         return worker_pb2.HeartbeatResponse(drain=drain)
 
     @rpc.rpc_errors
     async def Deregister(self, request: worker_pb2.DeregisterRequest, context) -> worker_pb2.DeregisterResponse:
         self._workers.deregister(request.worker_id)
+        await self._on_change()
         return worker_pb2.DeregisterResponse()
 
     @rpc.rpc_errors
@@ -62,6 +66,7 @@ class RegistryServicer(worker_pb2_grpc.RegistryServicer):
         except KeyError as e:
             known = ", ".join(w.worker_id for w in self._workers.workers if w.worker_id) or "none"
             raise rpc.NotFound(f"no worker {request.worker_id!r} (known: {known}); see `pdserve workers`") from e
+        await self._on_change()
         return worker_pb2.DrainResponse(worker=status(worker, self._clock()))
 
 

@@ -332,10 +332,30 @@ async def _quiet(call) -> None:
         logger.warning("releasing a KV handle failed: %s", e.details())
 
 
-async def _poll_workers(workers: WorkerPool, dispatcher: Dispatcher, health, cfg: GatewayConfig) -> None:
-    """Health of the static workers, heartbeats of the registered ones; the gateway is
-    SERVING while each tier has a routable worker."""
-    was_ready = None
+class Serving:
+    """The gateway's health: SERVING while each tier has a routable worker. Set at once when
+    a worker registers, returns by heartbeat, leaves or drains, and on each poll round: seen
+    in CI, a decode worker restarted and registered served a request while the gateway still
+    said NOT_SERVING until the next round."""
+
+    def __init__(self, health, workers: WorkerPool) -> None:
+        self._health = health
+        self._workers = workers
+        self._was_ready: bool | None = None
+
+    async def refresh(self) -> None:
+        ready = self._workers.ready()
+        for role in ("prefill", "decode"):
+            metrics.WORKERS_READY.labels(role).set(len(self._workers.routable(role)))
+        if ready != self._was_ready:
+            await rpc.set_serving(self._health, [SERVICE_NAME], ready)
+            logger.info("gateway %s", "SERVING" if ready else "NOT_SERVING: waiting for workers")
+            self._was_ready = ready
+
+
+async def _poll_workers(workers: WorkerPool, dispatcher: Dispatcher, serving: Serving, cfg: GatewayConfig) -> None:
+    """Health of the static workers, heartbeats of the registered ones, and the gateway's own
+    health from them."""
     sleep_s = min(cfg.poll_interval_s, cfg.heartbeat_interval_s)
     late_s = 0.0
     while True:
@@ -349,13 +369,7 @@ async def _poll_workers(workers: WorkerPool, dispatcher: Dispatcher, health, cfg
             await workers.poll_once()
             workers.expire_heartbeats(time.monotonic(), cfg.heartbeat_timeout_s)
             dispatcher.pump()  # a worker that came back may take queued work
-            ready = workers.ready()
-            for role in ("prefill", "decode"):
-                metrics.WORKERS_READY.labels(role).set(len(workers.routable(role)))
-            if ready != was_ready:
-                await rpc.set_serving(health, [SERVICE_NAME], ready)
-                logger.info("gateway %s", "SERVING" if ready else "NOT_SERVING: waiting for workers")
-                was_ready = ready
+            await serving.refresh()
         except Exception:
             # This loop is the gateway's health and heartbeat expiry: one bad round must not
             # end it (health would stay as it was for the gateway's life).
@@ -392,14 +406,20 @@ async def serve(cfg: GatewayConfig) -> None:
     server = grpc.aio.server(options=rpc.CHANNEL_OPTIONS)
     generation = GenerationServicer(cfg, workers, tokenizers, load_tokenizer(cfg.model))
     generation_pb2_grpc.add_GenerationServicer_to_server(generation, server)
-    worker_pb2_grpc.add_RegistryServicer_to_server(
-        RegistryServicer(workers, cfg.heartbeat_interval_s, generation.dispatcher.pump), server)
     health = rpc.add_standard_services(server, [SERVICE_NAME, REGISTRY_SERVICE])
+    serving = Serving(health, workers)
+
+    async def workers_changed() -> None:
+        generation.dispatcher.pump()  # room may have appeared
+        await serving.refresh()
+
+    worker_pb2_grpc.add_RegistryServicer_to_server(
+        RegistryServicer(workers, cfg.heartbeat_interval_s, workers_changed), server)
     port = rpc.bind(server, cfg.host, cfg.port)
     if cfg.metrics_port is not None:
         start_http_server(cfg.metrics_port, addr=cfg.host)
     await server.start()
-    poller = asyncio.create_task(_poll_workers(workers, generation.dispatcher, health, cfg))
+    poller = asyncio.create_task(_poll_workers(workers, generation.dispatcher, serving, cfg))
     logger.info("gateway listening on %s:%d", cfg.host, port)
     print(f"READY {cfg.host}:{port}", flush=True)
     stop = rpc.stop_event_on_signals()

@@ -5,7 +5,8 @@ and a count of the late and refused: for a `pdserve bench run` file (its one run
     python scripts/records_table.py FILE TTFT_SLO_S TPOT_SLO_S
 
 A line: send time, prompt and output lengths, TTFT (s), TPOT (ms), T / P when late on
-TTFT / TPOT, and the error with its message."""
+TTFT / TPOT, where pdserve prefilled it (local, remote, moved; blank for vLLM and for a
+refused request), and the error with its message."""
 
 import json
 import sys
@@ -26,7 +27,8 @@ def lines(records, ttft_slo_s, tpot_slo_s):
             flag = ("T" if ttft is not None and ttft > ttft_slo_s else "") + ("P" if tpot and tpot > tpot_slo_s else "")
             late_t, late_p, late = late_t + ("T" in flag), late_p + ("P" in flag), late + bool(flag)
         print(f"{r['send_s']:7.1f} p={r['prompt_len']:5d} out={r['expected_output_len']:4d} "
-              f"ttft={ttft or 0:6.2f} tpot={(tpot or 0) * 1000:6.1f} {flag:2s} {r.get('error') or ''} "
+              f"ttft={ttft or 0:6.2f} tpot={(tpot or 0) * 1000:6.1f} {flag:2s} "
+              f"{(r.get('route') or {}).get('prefill', ''):6s} {r.get('error') or ''} "
               f"{(r.get('error_message') or '')[:140]}")
     print(f"served {served}: late {late} ({late_t} on TTFT, {late_p} on TPOT); refused {refused}")
 

@@ -176,6 +176,8 @@ def stack(model_path, references) -> StackHandle:
     descendants = psutil.Process(proc.pid).children(recursive=True)
     yield handle
     _stop(proc)
+    if os.environ.get("PDSERVE_STACK_LOG"):  # the whole stack's output, for a failure's story
+        Path(os.environ["PDSERVE_STACK_LOG"]).write_text("".join(handle.log))
     # A process killed by `up` a moment ago may not have exited yet.
     _, alive = psutil.wait_procs(descendants, timeout=15)
     survivors = [p for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]

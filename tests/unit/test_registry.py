@@ -233,3 +233,52 @@ def test_a_worker_leaves_rotation_after_three_unanswered_health_checks_or_one_re
             await pool.close()
 
     assert asyncio.run(scenario()) == [True, True, True, True, True, True, False, True, False]
+
+
+class FakeHealth:
+    """grpc_health's aio servicer as the gateway uses it: the last status set per service."""
+
+    def __init__(self) -> None:
+        self.status: dict[str, int] = {}
+
+    async def set(self, service: str, status: int) -> None:
+        self.status[service] = status
+
+
+def test_the_gateway_health_follows_registrations_at_once_not_at_the_next_poll_round():
+    from grpc_health.v1 import health_pb2
+
+    from gateway.registry import RegistryServicer
+    from gateway.server import SERVICE_NAME, Serving
+
+    async def scenario():
+        pool, health = WorkerPool(), FakeHealth()
+        serving, pumps = Serving(health, pool), []
+
+        async def changed():
+            pumps.append(len(pool.workers))
+            await serving.refresh()
+
+        registry = RegistryServicer(pool, 1.0, changed, clock=lambda: 0.0)
+        seen = []
+        try:
+            await serving.refresh()
+            seen.append(health.status[SERVICE_NAME])
+            for worker_id, role, address in (("p1", "prefill", "h1:1"), ("d1", "decode", "h2:1")):
+                await registry.Register(worker_pb2.RegisterRequest(info=info(worker_id, role), address=address),
+                                        None)
+                seen.append(health.status[SERVICE_NAME])
+            await registry.Drain(worker_pb2.DrainRequest(worker_id="d1"), None)
+            seen.append(health.status[SERVICE_NAME])
+            await registry.Register(worker_pb2.RegisterRequest(info=info("d2"), address="h3:1"), None)
+            seen.append((health.status[SERVICE_NAME], health.status[""]))
+            await registry.Deregister(worker_pb2.DeregisterRequest(worker_id="p1"), None)
+            seen.append(health.status[SERVICE_NAME])
+        finally:
+            await pool.close()
+        return seen, pumps
+
+    serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+    seen, pumps = asyncio.run(scenario())
+    assert seen == [not_serving, not_serving, serving, not_serving, (serving, serving), not_serving]
+    assert pumps == [1, 2, 2, 3, 2]  # the dispatcher is told of each change

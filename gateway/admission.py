@@ -120,6 +120,13 @@ class ServiceMeter:
         since: its rate now is a bound, not an estimate to promise a start on."""
         return self._abandoned is not None and now_s - self._abandoned[1] <= self.max_age_s
 
+    def working_s(self, now_s: float) -> float:
+        """How long the busy time in progress has run since its start or the last completion
+        (0 when idle): the work in hand has had that long at the cores."""
+        if not self._num_busy or self._busy_since_s is None:
+            return 0.0
+        return max(now_s - self._busy_since_s, 0.0)
+
     def tokens_per_s(self, now_s: float, pending_tokens: int = 0,
                      contended: bool | None = None) -> float | None:
         """Measured over the recent completions; None: none recent. With ``contended``
@@ -415,6 +422,15 @@ class Forecast:
     ttft_s: float | None
     tpot_s: float | None
     tpot_best_s: float | None = None
+
+
+def remaining_tokens(pending_tokens: int, working_s: float, tokens_per_s: float | None) -> int:
+    """Of ``pending_tokens`` sent to a worker that has worked ``working_s`` on them at
+    ``tokens_per_s``, those still to do (all of them with no rate). A queued request
+    forecast again while it waits is not charged twice for the in-flight work done since."""
+    if not tokens_per_s:
+        return pending_tokens
+    return max(pending_tokens - int(tokens_per_s * working_s), 0)
 
 
 def predict_ttft_s(tokens_ahead: int, num_prompt_tokens: int, tokens_per_s: float | None) -> float | None:

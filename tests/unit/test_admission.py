@@ -13,6 +13,7 @@ from gateway.admission import (
     StepMeter,
     decide,
     predict_ttft_s,
+    remaining_tokens,
 )
 
 
@@ -349,3 +350,15 @@ def test_join_meter_gives_joins_per_step_and_their_mean_length_over_its_window()
     for i in range(6):
         burst.observe(40, 100.0 + 0.3 * i)
     assert burst.arrivals(0.1, 101.5).per_step == pytest.approx(0.3)
+
+
+def test_in_flight_work_is_counted_less_what_the_worker_did_since_it_turned_busy():
+    m = ServiceMeter()
+    assert m.working_s(5.0) == 0.0  # idle
+    m.start(10.0)
+    m.start(11.0)  # a second prompt joins the busy time begun at 10
+    assert m.working_s(13.0) == 3.0
+    m.finish(100, 14.0)
+    assert m.working_s(15.5) == 1.5  # the one left has had the cores since the completion
+    assert [remaining_tokens(500, 3.0, 100.0), remaining_tokens(500, 6.0, 100.0),
+            remaining_tokens(500, 3.0, None)] == [200, 0, 500]

@@ -210,16 +210,37 @@ def test_a_queued_request_that_can_no_longer_meet_its_ttft_objective_is_refused_
         d, pool, clock = dispatcher(local_prefill_max_tokens=0, rescue_prefill_max_tokens=0, prefill_queue_tokens=600)
         p0 = measured_prefill(pool, 1000)  # 100 tok/s
         busy = await d.acquire(ticket("busy", 500))
-        late = asyncio.create_task(d.acquire(ticket("late", 300, ttft=5.0)))  # waits: the budget holds "busy"
-        fine = asyncio.create_task(d.acquire(ticket("fine", 300, ttft=9.0)))
-        await asyncio.sleep(0)
-        clock.now = 104.0  # "busy" done after 4 s (rate now 1500 tok / 14 s): "late" would finish at 6.8 s > 5 s
+        late = asyncio.create_task(d.acquire(ticket("late", 300, ttft=8.5)))  # waits: the budget holds "busy"
+        fine = asyncio.create_task(d.acquire(ticket("fine", 300, ttft=20.0)))
+        await asyncio.sleep(0)  # queued: "late" forecast at (500 + 300) / 100 = 8 s
+        clock.now = 106.0  # "busy" done after 6 s (rate now 1500 tok / 16 s): "late" would finish at 9.2 s > 8.5 s
         d.prefill_done(p0, ticket("busy", 500), 0)
-        with pytest.raises(Refused, match="after 4.00 s in the queue, the predicted time to first token 6.80 s"):
+        with pytest.raises(Refused, match="after 6.00 s in the queue, the predicted time to first token 9.20 s"):
             await late
         return busy.placement.where, (await fine).placement.where
 
     assert run(scenario()) == (Where.REMOTE, Where.REMOTE)
+
+def test_a_queued_request_is_refused_once_the_overrun_of_the_prefill_ahead_says_it_will_miss():
+    async def scenario():
+        d, pool, clock = dispatcher(local_prefill_max_tokens=0, rescue_prefill_max_tokens=0, prefill_queue_tokens=600)
+        measured_prefill(pool, 1000)  # 100 tok/s
+        await d.acquire(ticket("busy", 500))  # due at 105
+        waiting = asyncio.create_task(d.acquire(ticket("waiting", 300, ttft=8.5)))  # (500 + 300) / 100 = 8 s
+        seen = []
+        for clock.now in (103.0, 105.0):
+            d.pump()
+            await asyncio.sleep(0)
+            seen.append(waiting.done())  # on time so far: 200 tokens left of "busy" at 103, none at 105
+        clock.now = 106.0  # "busy" unanswered: at most 500 tok / 6 s, so 6 + 300 / 83.3 = 9.6 s
+        with pytest.raises(Refused, match="after 6.00 s in the queue, the predicted time to first token 9.60 s") as e:
+            await asyncio.wait_for(waiting, 1.0)  # the recheck timer, with no event to pump
+        return seen, e.value.retry_after_s, list(d.queue.ordered(clock.now))
+
+    seen, retry, queued = run(scenario())
+    assert seen == [False, False]
+    assert retry == pytest.approx(1.1) and queued == []
+
 
 def test_a_queued_request_is_refused_when_its_ttft_objective_passes():
     async def scenario():

@@ -66,6 +66,9 @@ class Ticket:
     # Prefix-cache keys of the prompt's leading blocks (placement's, computed once).
     prefix_keys: list[int] | None = None
     seq: int = 0  # arrival order, set by the queue
+    # Held back once from a rescue on a decode worker while an older prompt was offered it
+    # (gateway.dispatch: `_offer_rescue_to_older`).
+    rescue_offered: bool = False
 
     @property
     def due_s(self) -> float:

@@ -239,28 +239,40 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             )
         )
         answer = asyncio.ensure_future(call)
+        # Set by the dispatcher when a newer prompt would be rescued on a decode worker
+        # first: this one is offered the move before its stall time.
+        asked = self._dispatcher.remote_started(worker, ticket)
+        offer = asyncio.ensure_future(asked.wait())
         moved = False
         try:
-            wait_s = self._dispatcher.stalled_after_s(ticket, grant.placement)
+            stall_s = wait_s = self._dispatcher.stalled_after_s(ticket, grant.placement)
             while wait_s is not None and not answer.done():
-                await asyncio.wait({answer}, timeout=wait_s)
+                await asyncio.wait({answer, offer}, timeout=wait_s)
                 if answer.done():
                     break
+                offered = offer.done()
                 waited_s = time.monotonic() - sent_s
-                local = self._dispatcher.move_stalled(worker, ticket, waited_s)
+                local = self._dispatcher.move_stalled(worker, ticket, waited_s, offered=offered)
                 if local is not None:
                     moved = True
-                    logger.info("request %s: prefill worker %s did not answer in %.2f s (predicted %s); "
+                    logger.info("request %s: prefill worker %s did not answer in %.2f s (predicted %s%s); "
                                 "prefilling on decode worker %s", job.request_id, worker.address, waited_s,
-                                _seconds(grant.placement.predicted_ttft_s), local.placement.worker)
+                                _seconds(grant.placement.predicted_ttft_s),
+                                ", offered ahead of a newer prompt's rescue" if offered else "",
+                                local.placement.worker)
                     return local
-                wait_s = STALL_RECHECK_S
+                if offered:
+                    asked.clear()
+                    offer = asyncio.ensure_future(asked.wait())
+                wait_s = STALL_RECHECK_S if waited_s >= stall_s else stall_s - waited_s
             reply = await answer
             num_cached = reply.num_cached_tokens
             return reply
         except grpc.aio.AioRpcError as e:
             raise WorkerGone.wrap(worker, e) from e
         finally:
+            offer.cancel()
+            self._dispatcher.remote_ended(ticket)
             if not answer.done():
                 call.cancel()  # moved, or this call was cancelled: the prefill worker aborts it
                 answer.cancel()

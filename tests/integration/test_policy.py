@@ -258,6 +258,35 @@ def test_a_long_prompt_stalled_on_the_prefill_tier_is_moved_to_the_decode_worker
     assert stack.metric(0, "pdserve_prefills_rescued_total") - rescued_before == 1
 
 
+def test_a_newer_long_prompt_does_not_take_the_decode_worker_ahead_of_an_older_one_on_the_tier(stack, prompts):
+    """With the prefill engine stopped, a 600-token prompt sent to the tier, then a second
+    one that finds the tier full (1,024 tokens of room) and would be rescued on the idle
+    decode worker: the older one is offered the decode worker first and moves there before
+    its stall time; the newer one takes the tier (and moves once it stalls there)."""
+    call(stack, request(prompts(70, 600), "offer-warm"))  # the tier's rate with decode idle
+    engine = psutil.Process(_prefill_worker_pid(stack)).children(recursive=True)
+    assert engine, "the prefill worker has no engine processes"
+    mark = len(stack.log)
+    for p in engine:
+        p.suspend()
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            old = pool.submit(call_routed, stack, request(prompts(71, 600), "offer-old", max_tokens=4, ttft_ms=8000),
+                              60)
+            wait_for(lambda: any("prefill offer-old:" in line for line in list(stack.log)[mark:]), 10)
+            new = pool.submit(call_routed, stack, request(prompts(72, 600), "offer-new", max_tokens=4, ttft_ms=8000),
+                              60)
+            (old_replies, old_route), (new_replies, _) = old.result(), new.result()
+    finally:
+        for p in engine:
+            p.resume()
+    since = "".join(stack.log[mark:][-40:])
+    assert old_route["pdserve-prefill"] == "moved", since
+    assert any("request offer-old:" in line and "offered ahead of a newer prompt's rescue" in line
+               for line in stack.log[mark:]), since
+    assert old_replies[-1].usage.completion_tokens == 4 and new_replies[-1].usage.completion_tokens == 4
+
+
 def _prefill_worker_pid(stack) -> int:
     for p in psutil.Process(stack.proc.pid).children(recursive=True):
         if "prefill" in p.cmdline() and "pdserve.cli" in p.cmdline():

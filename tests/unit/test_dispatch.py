@@ -319,3 +319,47 @@ def test_a_stalled_remote_prefill_stays_while_no_decode_worker_has_a_seat():
         return p0.queued_tokens
 
     assert run(scenario()) == 0
+
+
+def _old_on_the_tier_and_a_new_one_held_back(d, pool, clock):
+    """"old" (800 tokens) on the tier at 1,000 tok/s; "new" (800), sent at 101 with the tier
+    full (1,000 tokens of room), would be rescued on the idle decode worker."""
+    async def scenario():
+        p0 = measured_prefill(pool, 10_000)  # 1,000 tok/s alone
+        old = ticket("old", 800, ttft=3.0)
+        grant = await d.acquire(old)
+        asked = d.remote_started(p0, old)
+        clock.now = 101.0
+        new = asyncio.create_task(d.acquire(ticket("new", 800, arrival=101.0, ttft=3.0)))
+        await asyncio.sleep(0)
+        return p0, old, grant, asked, new
+    return scenario()
+
+
+def test_a_rescue_is_offered_first_to_an_older_prompt_waiting_on_the_tier_of_the_same_host():
+    async def scenario():
+        d, pool, clock = dispatcher(prefill_queue_tokens=1000)
+        p0, old, grant, asked, new = await _old_on_the_tier_and_a_new_one_held_back(d, pool, clock)
+        held = (grant.placement.where, asked.is_set(), new.done())
+        moved = d.move_stalled(p0, old, waited_s=1.0, offered=True)  # what the waiting call does when asked
+        d.remote_ended(old)
+        placed = await asyncio.wait_for(new, 1.0)
+        return (held, moved.placement.where, placed.placement.where, p0.queued_tokens,
+                p0.prefill_load(clock.now).tokens_per_s)
+
+    held, moved, placed, queued, rate = run(scenario())
+    assert held == (Where.REMOTE, True, False)
+    assert (moved, placed, queued) == (Where.LOCAL, Where.REMOTE, 800)  # the tier takes the newer one
+    assert rate == pytest.approx(1000.0)  # taken back for its turn: no bound on the tier's rate
+
+
+def test_a_rescue_the_older_prompt_cannot_take_in_time_goes_to_the_newer_one():
+    async def scenario():
+        d, pool, clock = dispatcher(prefill_queue_tokens=1000)
+        p0, old, _, asked, new = await _old_on_the_tier_and_a_new_one_held_back(d, pool, clock)
+        clock.now = 103.1  # past the old one's objective: a move cannot meet it
+        assert d.move_stalled(p0, old, waited_s=3.1, offered=True) is None
+        placed = await asyncio.wait_for(new, 0.1)  # at once, not at the next recheck (0.25 s)
+        return asked.is_set(), placed.placement.where, placed.placement.predicted_ttft_s, p0.queued_tokens
+
+    assert run(scenario()) == (True, Where.LOCAL, pytest.approx(0.8), 800)

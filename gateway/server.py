@@ -247,7 +247,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         try:
             stall_s = wait_s = self._dispatcher.stalled_after_s(ticket, grant.placement)
             while wait_s is not None and not answer.done():
-                await asyncio.wait({answer, offer}, timeout=wait_s)
+                await asyncio.wait({answer, offer}, timeout=wait_s, return_when=asyncio.FIRST_COMPLETED)
                 if answer.done():
                     break
                 offered = offer.done()

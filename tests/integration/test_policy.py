@@ -282,8 +282,11 @@ def test_a_newer_long_prompt_does_not_take_the_decode_worker_ahead_of_an_older_o
             p.resume()
     since = "".join(stack.log[mark:][-40:])
     assert old_route["pdserve-prefill"] == "moved", since
-    assert any("request offer-old:" in line and "offered ahead of a newer prompt's rescue" in line
-               for line in stack.log[mark:]), since
+    moves = [re.search(r"did not answer in ([\d.]+) s \(predicted ([\d.]+) s, offered ahead", line)
+             for line in stack.log[mark:] if "request offer-old:" in line]
+    assert [m is not None for m in moves] == [True], since
+    waited_s, predicted_s = float(moves[0].group(1)), float(moves[0].group(2))
+    assert waited_s < 2 * predicted_s, since  # at the newer prompt's arrival, not at its stall time
     assert old_replies[-1].usage.completion_tokens == 4 and new_replies[-1].usage.completion_tokens == 4
 
 

@@ -173,6 +173,8 @@ async def _serve(cfg: WorkerConfig, add_servicer: AddServicer, background) -> No
     stop = rpc.stop_event_on_signals()  # SIGTERM / SIGINT, or the gateway asking us to drain
     membership = _join(cfg, info, port, engine_load, inflight, stop)
     tasks = [asyncio.create_task(background(cfg))] if background else []
+    died = asyncio.Event()
+    tasks.append(asyncio.create_task(_watch_engine(engine, stop, died)))
     joined = asyncio.create_task(membership.run()) if membership else None
     refused = await _wait_stop(stop, joined)
     # Drain: out of rotation first, then let what runs here finish.
@@ -196,6 +198,27 @@ async def _serve(cfg: WorkerConfig, add_servicer: AddServicer, background) -> No
     sys.stdout.flush()
     if refused:
         raise SystemExit(3)
+    if died.is_set():
+        raise SystemExit(4)
+
+
+# How often a worker checks that its engine is alive.
+ENGINE_CHECK_S = 1.0
+
+
+async def _watch_engine(engine, stop: asyncio.Event, died: asyncio.Event) -> None:
+    """A worker whose engine died stops (out of rotation, then exit code 4) so that `pdserve
+    up` restarts it, instead of answering every request with EngineDeadError. Seen in the
+    long benchmark: the prefill engine core's execute_model RPC timed out after the stack
+    was paused (SIGSTOP) for seven minutes, and the live worker failed all 40 prompts of
+    the next run with UNAVAILABLE while the gateway kept it in rotation."""
+    while not stop.is_set():
+        if engine.errored:
+            logger.error("the engine died; stopping this worker so that it is restarted")
+            died.set()
+            stop.set()
+            return
+        await asyncio.sleep(ENGINE_CHECK_S)
 
 
 def _start_engine(cfg: WorkerConfig, stat_loggers: list):

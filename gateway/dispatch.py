@@ -78,7 +78,6 @@ class Dispatcher:
         self._seat_waiters: list[tuple[int, asyncio.Future[Worker]]] = []
         self._prefixes: PrefixIndex | None = None
         self._timer: asyncio.TimerHandle | None = None
-        self._last_recheck_s = float("-inf")
         # Prompts sent to the prefill tier and unanswered: their worker, and the event that
         # asks the call waiting for the answer to try a move to a decode worker now.
         self._remote: dict[Ticket, tuple[Worker, asyncio.Event]] = {}
@@ -207,7 +206,6 @@ class Dispatcher:
         so the forecast follows the overrun."""
         if not self._admission:
             return
-        self._last_recheck_s = now
         ahead = 0
         for ticket in list(self.queue.ordered(now)):
             if ticket not in self._waiting:
@@ -349,8 +347,8 @@ class Dispatcher:
             self._timer.cancel()
             self._timer = None
         due = [t.arrival_s + t.ttft_slo_s for t in self._waiting if t.ttft_slo_s is not None] if self._admission else []
-        if due:  # forecast the waiting again soon (_refuse_predicted_late)
-            due.append(self._last_recheck_s + RECHECK_S)
+        if due:  # forecast the waiting again soon (pump ran _refuse_predicted_late just now)
+            due.append(self._clock() + RECHECK_S)
         deadline = min([d for d in (self.queue.next_deadline_s(), *due) if d is not None], default=None)
         if deadline is not None:
             loop = asyncio.get_running_loop()

@@ -42,10 +42,12 @@ class RegistryServicer(worker_pb2_grpc.RegistryServicer):
     @rpc.rpc_errors
     async def Heartbeat(self, request: worker_pb2.HeartbeatRequest, context) -> worker_pb2.HeartbeatResponse:
         try:
+            routable = self._workers.by_id(request.worker_id).routable
             drain = self._workers.heartbeat(request.worker_id, request.load, request.draining, self._clock())
         except KeyError as e:
             raise rpc.NotFound(f"worker {request.worker_id!r} is not registered here; register again") from e
-        await self._on_change()  # a worker out of rotation is back with its heartbeat
+        if self._workers.by_id(request.worker_id).routable != routable:  # back, or now draining
+            await self._on_change()
         return worker_pb2.HeartbeatResponse(drain=drain)
 
     @rpc.rpc_errors

@@ -199,12 +199,23 @@ def source_root_env() -> dict[str, str]:
     return {"PYTHONPATH": root + (os.pathsep + rest if rest else "")}
 
 
+# vLLM's executor times an execute_model call out after VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS
+# (300) of monotonic time, and that clock runs on while `--idle-systems freeze` holds a
+# stack stopped: a call in flight at the freeze failed on the thaw after a 7-minute turn and
+# killed the engine (the twelfth session's long rerun). Both systems get the same longer limit.
+FREEZE_SAFE_ENV = {"VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS": "7200"}
+
+
+def idle_env(cfg: CompareConfig) -> dict[str, str]:
+    return dict(FREEZE_SAFE_ENV) if cfg.freeze_idle else {}
+
+
 def pdserve_spec(cfg: CompareConfig, port: int, system: str = "pdserve") -> ServerSpec:
     # `up` prints "pdserve ready at HOST:PORT"; the lines it relays from its processes
     # start with "[role]" (the gateway's own "[gateway] READY ..." comes before the
     # workers are up), so those are skipped, and gRPC health must then say SERVING.
     argv = pdserve_argv(port, cfg.model, cfg.bench.workload.max_model_len, system)
-    return ServerSpec(system, argv, source_root_env(),
+    return ServerSpec(system, argv, {**source_root_env(), **idle_env(cfg)},
                       ready_pattern=rf"^[^\[].*\bready\b.*:{port}\b",
                       grpc_health_target=f"127.0.0.1:{port}", boot_timeout_s=cfg.boot_timeout_s)
 
@@ -224,7 +235,7 @@ def vllm_spec(cfg: CompareConfig, port: int) -> ServerSpec:
             str(cfg.bench.workload.max_model_len), "--enforce-eager", "--enable-prefix-caching",
             "--port", str(port), "--host", "127.0.0.1"]
     env = {"VLLM_CPU_KVCACHE_SPACE": str(cfg.vllm_kv_cache_gib),
-           "VLLM_CPU_OMP_THREADS_BIND": cfg.vllm_cpus}
+           "VLLM_CPU_OMP_THREADS_BIND": cfg.vllm_cpus, **idle_env(cfg)}
     return ServerSpec("vllm", argv, env, health_url=f"http://127.0.0.1:{port}/health",
                       boot_timeout_s=cfg.boot_timeout_s)
 

@@ -292,6 +292,21 @@ def test_both_systems_get_the_same_model_and_context_length(tmp_path):
     assert flag(vllm, "--block-size") == "32" and "--enable-prefix-caching" in vllm
 
 
+def test_frozen_systems_get_the_same_execute_model_limit_past_a_turn(tmp_path):
+    import dataclasses
+
+    from pdserve.bench.compare import pdserve_spec, vllm_spec
+
+    frozen = CompareConfig(bench=BenchConfig(rates_rps=[1.0]), model=tmp_path)
+    assert frozen.freeze_idle
+    for spec in (pdserve_spec(frozen, 5005), vllm_spec(frozen, 5006)):
+        # vLLM's default is 300 s; a turn of the other system is longer than that.
+        assert int(spec.env["VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS"]) >= 3600
+    running = dataclasses.replace(frozen, freeze_idle=False)
+    for spec in (pdserve_spec(running, 5005), vllm_spec(running, 5006)):
+        assert "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS" not in spec.env
+
+
 def test_only_pdserve_fifo_passes_a_policy_and_it_is_plain_fifo(tmp_path):
     from pdserve.bench.compare import pdserve_spec
 

@@ -63,7 +63,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvtransfer import metrics
-from kvtransfer.coreshare import (ENV_FILE, SLACK, StepPace, StepYield, budget_mode_from_env,
+from kvtransfer.coreshare import (ENV_FILE, SLACK, DecodeBeat, PrefillThreads, StepPace, StepYield, budget_mode_from_env,
                                   pace_budget_s, pause_budget_s, quiet_engine_waits)
 from kvtransfer.layout import REQUIRED_KV_CACHE_LAYOUT, KVHandle, KVLayout, expected_layout
 from kvtransfer.transport import KVTransferError, KVTransport, transport_class
@@ -181,6 +181,12 @@ class PdConnector(KVConnectorBase_V1):
         # prompts in hand (no budget while they have none, so plain steps can be timed).
         self._pace = StepPace()
         self._prefill = StepYield(os.environ[ENV_FILE], None) if self._budget_mode else None
+        # `--prefill-threads solo`: the decode engine stamps its steps, and the prefill engine
+        # computes on one thread while decode steps (coreshare.PrefillThreads); worker halves.
+        worker = role == KVConnectorRole.WORKER
+        producer = self._kv_transfer_config.is_kv_producer
+        self._beat = DecodeBeat.from_env() if worker and not producer else None
+        self._threads = PrefillThreads.from_env() if worker and producer else None
 
     # ==============================
     # Scheduler half
@@ -376,6 +382,17 @@ class PdConnector(KVConnectorBase_V1):
             self._transports[name] = transport
         return transport
 
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        # The first call of a step in the model runner, before it builds the step's inputs:
+        # vLLM's CPU attention metadata records the thread count, which must then not change.
+        super().handle_preemptions(kv_connector_metadata)
+        if getattr(kv_connector_metadata, "idle", False):
+            return
+        if self._beat is not None:
+            self._beat.step_started()
+        if self._threads is not None:
+            self._threads.step()
+
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, PdConnectorMetadata)
@@ -452,6 +469,8 @@ class PdConnector(KVConnectorBase_V1):
         Only requests the scheduler has finished count (vLLM frees a request's blocks once
         and only after it finished); one finished before its lease ended waits here.
         """
+        if self._beat is not None:
+            self._beat.step_ended()  # called after each step's forward
         if not self._held:
             return None, None
         from kvtransfer.shm import ShmTransport
@@ -474,6 +493,8 @@ class PdConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         for transport in self._transports.values():
             transport.close()
+        if self._beat is not None:
+            self._beat.close()
 
 
 def _load_handle(request: Request) -> KVHandle | None:

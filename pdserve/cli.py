@@ -225,6 +225,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "waits until one of them is done (at most 2 s), so each prompt has every core and "
                         "decode makes a token between prompts, as colocated vLLM does between prefill "
                         "chunks; offline prompts never make it wait; neither with --decode-yield-ms")
+    p.add_argument("--prefill-threads", choices=("team", "solo", "always"), default="team",
+                   help="with --cores shared: team: the prefill engine computes on a thread per core; "
+                        "solo: on one thread (on any core) while the decode engine is stepping, on all "
+                        "while it idles, so that decode holding one core does not stall the prefill "
+                        "engine's whole thread team (kvtransfer.coreshare.PrefillThreads); always: one "
+                        "thread at every step")
     p.add_argument("--json-logs", action="store_true")
     _policy_args(p)
     p.set_defaults(func=cmd_up)

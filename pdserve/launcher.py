@@ -284,8 +284,13 @@ def build_stack(args) -> Stack:
         raise ValueError(f"--decode-yield {args.decode_yield} sizes the pause itself: drop --decode-yield-ms")
     yield_ms = {"slack": coreshare.SLACK, "pace": coreshare.PACE,
                 "whole": coreshare.WHOLE}.get(args.decode_yield, args.decode_yield_ms or None)
-    if on_gpus is None and args.cores == "shared" and yield_ms is not None:
-        core_share_env = {coreshare.ENV_FILE: core_share_path(), coreshare.ENV_YIELD_MS: str(yield_ms)}
+    threads = getattr(args, "prefill_threads", "team")
+    if on_gpus is None and args.cores == "shared" and (yield_ms is not None or threads != "team"):
+        core_share_env = {coreshare.ENV_FILE: core_share_path()}
+        if yield_ms is not None:
+            core_share_env[coreshare.ENV_YIELD_MS] = str(yield_ms)
+        if threads != "team":
+            core_share_env[coreshare.ENV_PREFILL_THREADS] = threads
     for role, count, cpus, offset in (("prefill", args.prefill, prefill_cpus, 1),
                                       ("decode", args.decode, decode_cpus, 1 + args.prefill)):
         for i in range(count):

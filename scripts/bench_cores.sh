@@ -14,7 +14,8 @@
 # a steady share of each step (--decode-yield pace), `shared-whole` with the
 # decode engine waiting for prefill one prompt at a time (--decode-yield whole). A candidate
 # with the suffix -quiet runs with PDSERVE_ENGINE_QUIET=1 (vLLM's engine processes sleep
-# between looks at each other's queue: kvtransfer.coreshare.quiet_engine_waits).
+# between looks at each other's queue: kvtransfer.coreshare.quiet_engine_waits); one with
+# -solo (before any -quiet) adds --prefill-threads solo (kvtransfer.coreshare.PrefillThreads).
 # CANDIDATES="shared split shared-yield15" picks some; a candidate named twice runs twice
 # (alternate them for an A/B on a drifting machine), its second result in <candidate>-2.json.
 # SLOs: --slo-ttft-s/--slo-tpot-s from the environment (SLO_TTFT_S, SLO_TPOT_S), default
@@ -51,14 +52,16 @@ run_candidate() {  # name, extra `pdserve up` flags...
 for candidate in ${CANDIDATES:-shared split shared-normal}; do
   engine=${candidate%-quiet}
   if [ "$engine" != "$candidate" ]; then export PDSERVE_ENGINE_QUIET=1; else unset PDSERVE_ENGINE_QUIET; fi
+  threads=()
+  if [ "${engine%-solo}" != "$engine" ]; then engine=${engine%-solo}; threads=(--prefill-threads solo); fi
   case $engine in
-    shared) run_candidate "$candidate" --cores shared ;;
+    shared) run_candidate "$candidate" --cores shared "${threads[@]}" ;;
     split) run_candidate "$candidate" --cores split ;;
-    shared-normal) run_candidate "$candidate" --cores shared --prefill-sched normal ;;
-    shared-yield*) run_candidate "$candidate" --cores shared --decode-yield-ms "${engine#shared-yield}" ;;
-    shared-slack) run_candidate "$candidate" --cores shared --decode-yield slack ;;
-    shared-pace) run_candidate "$candidate" --cores shared --decode-yield pace ;;
-    shared-whole) run_candidate "$candidate" --cores shared --decode-yield whole ;;
+    shared-normal) run_candidate "$candidate" --cores shared --prefill-sched normal "${threads[@]}" ;;
+    shared-yield*) run_candidate "$candidate" --cores shared --decode-yield-ms "${engine#shared-yield}" "${threads[@]}" ;;
+    shared-slack) run_candidate "$candidate" --cores shared --decode-yield slack "${threads[@]}" ;;
+    shared-pace) run_candidate "$candidate" --cores shared --decode-yield pace "${threads[@]}" ;;
+    shared-whole) run_candidate "$candidate" --cores shared --decode-yield whole "${threads[@]}" ;;
     *) echo "[cores] unknown candidate $candidate" >&2; exit 2 ;;
   esac
 done

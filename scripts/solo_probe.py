@@ -1,4 +1,4 @@
-"""Prefill under decode load, for `--prefill-threads`: against a running `pdserve up`
+"""Prefill under decode load (scripts/solo_probe.sh runs it per set of flags): against a running `pdserve up`
 (started with --local-prefill-max-tokens 0 --rescue-prefill-max-tokens 0, so that every
 prompt goes through the prefill tier), time the first token of long prompts sent one after
 the other, alone and while requests decode.

@@ -60,6 +60,7 @@ def sweep_entry(run: RunResult) -> dict:
            for name in ("itl", "e2e") for q in ("p50", "p99")},
         "by_class": {name: class_entry(c) for name, c in s.by_class.items()},
         "gateway_cpu": None if run.gateway_cpu is None else dataclasses.asdict(run.gateway_cpu),
+        "machine": None if run.machine is None else dataclasses.asdict(run.machine),
     }
 
 

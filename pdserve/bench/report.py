@@ -26,7 +26,8 @@ def summary_dict(summary: Summary) -> dict:
 
 def run_dict(run: RunResult, include_records: bool = False) -> dict:
     out = {"load": dataclasses.asdict(run.load), "summary": summary_dict(run.summary),
-           "gateway_cpu": None if run.gateway_cpu is None else dataclasses.asdict(run.gateway_cpu)}
+           "gateway_cpu": None if run.gateway_cpu is None else dataclasses.asdict(run.gateway_cpu),
+           "machine": None if run.machine is None else dataclasses.asdict(run.machine)}
     if include_records:
         out["records"] = [dataclasses.asdict(r) for r in run.records]
     return out

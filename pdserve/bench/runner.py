@@ -11,11 +11,13 @@ also reads the gateway's CPU counters before and after it (`gateway_cpu`).
 from __future__ import annotations
 
 import asyncio
+import sys
 from dataclasses import dataclass, field
 
 from pdserve.bench.gateway_cpu import GatewayCpu, gateway_cpu, scrape
 from pdserve.bench.backends import Backend, GrpcBackend, OpenAIBackend, SamplingConfig
 from pdserve.bench.loadgen import LoadConfig, Progress, drive
+from pdserve.bench.machine import STEAL_WARNING_CORES, MachineMeter, MachineUse
 from pdserve.bench.metrics import (
     SLO,
     Objective,
@@ -72,6 +74,7 @@ class RunResult:
     summary: Summary
     records: list[RequestRecord]
     gateway_cpu: GatewayCpu | None = None
+    machine: MachineUse | None = None  # what the machine did meanwhile (bench.machine)
 
 
 @dataclass(slots=True)
@@ -119,14 +122,20 @@ async def run_load(backend: Backend, cfg: BenchConfig, load: LoadConfig, id_pref
     before = (await asyncio.to_thread(scrape, cfg.gateway_metrics)
               if cfg.gateway_metrics else None)
     progress = Progress(load.num_requests, load.describe())
+    meter = MachineMeter()
     records = await drive(backend, requests, load, progress)
+    machine = meter.stop()
     progress.close()
+    if machine is not None and machine.steal_cores > STEAL_WARNING_CORES:
+        print(f"[bench] warning: the hypervisor took {machine.steal_cores:.2f} cores from this "
+              f"machine during {load.describe()}; that measurement ran on less than the machine",
+              file=sys.stderr, flush=True)
     summary = summarize_run(records, cfg.slo)
     cpu = None
     if before is not None:
         after = await asyncio.to_thread(scrape, cfg.gateway_metrics)
         cpu = gateway_cpu(before, after, summary.output_tokens)
-    return RunResult(load, summary, records, cpu)
+    return RunResult(load, summary, records, cpu, machine)
 
 
 async def run_bench(cfg: BenchConfig) -> BenchResult:

@@ -321,13 +321,19 @@ def test_only_pdserve_fifo_passes_a_policy_and_it_is_plain_fifo(tmp_path):
 
 def test_json_has_ttft_p90_per_class_and_gateway_cpu():
     from pdserve.bench.gateway_cpu import GatewayCpu
+    from pdserve.bench.machine import MachineUse
 
     records = [record(0, 0.5, 0.1), record(1, 2.0, 0.1)]
     records[1].class_name = "offline"
     run = RunResult(LoadConfig(rate_rps=1.0, num_requests=2),
                     summarize_run(records, SLO(1.0, 0.5)), records,
-                    GatewayCpu(0.3, 0.1, 4000, 100.0, "gateway process + tokenizer pool"))
+                    GatewayCpu(0.3, 0.1, 4000, 100.0, "gateway process + tokenizer pool"),
+                    MachineUse(busy_cores=1.9, steal_cores=0.2, harness_cores=0.1))
     doc = json.loads(json.dumps(result_dict(BenchResult(BenchConfig(rates_rps=[1.0]), [run]))))
+    assert doc["runs"][0]["machine"] == {"busy_cores": 1.9, "steal_cores": 0.2, "harness_cores": 0.1}
+    from pdserve.bench.compare_report import sweep_entry
+
+    assert sweep_entry(run)["machine"]["steal_cores"] == 0.2
     by_class = doc["runs"][0]["summary"]["by_class"]
     assert (by_class["default"]["ttft_s"]["p90"], by_class["offline"]["ttft_s"]["p90"]) == \
         (0.5, 2.0)

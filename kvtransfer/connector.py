@@ -39,8 +39,10 @@ the prefill worker picks one per request, the decode side reads whichever a hand
 
 Scheduler half: get_num_new_matched_tokens, update_state_after_alloc, build_connector_meta,
 request_finished, on_new_request. Worker half: register_kv_caches (reads and checks the KV
-layout, see layout.py; asks vLLM for LBHNC via get_required_kvcache_layout), start_load_kv,
-wait_for_save, get_block_ids_with_load_errors. The CPU engine runs layers one after another
+layout, see layout.py; asks vLLM for LBHNC via get_required_kvcache_layout), handle_preemptions
+(the first call of each step: with shared cores, the decode engine stamps its steps and the
+prefill engine sets its thread count, kvtransfer.prefill_threads), start_load_kv,
+wait_for_save, get_finished, get_block_ids_with_load_errors. The CPU engine runs layers one after another
 on the same cores, so per-layer hooks (save_kv_layer, wait_for_layer_load) have no copy to
 overlap with and do nothing; the transports copy whole prompts.
 """
@@ -63,9 +65,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvtransfer import metrics
-from kvtransfer.coreshare import (ENV_FILE, SLACK, DecodeBeat, PrefillThreads, StepPace, StepYield, budget_mode_from_env,
+from kvtransfer.coreshare import (ENV_FILE, SLACK, StepPace, StepYield, budget_mode_from_env,
                                   pace_budget_s, pause_budget_s, quiet_engine_waits)
 from kvtransfer.layout import REQUIRED_KV_CACHE_LAYOUT, KVHandle, KVLayout, expected_layout
+from kvtransfer.prefill_threads import DecodeBeat, PrefillThreads
 from kvtransfer.transport import KVTransferError, KVTransport, transport_class
 
 if TYPE_CHECKING:
@@ -182,7 +185,7 @@ class PdConnector(KVConnectorBase_V1):
         self._pace = StepPace()
         self._prefill = StepYield(os.environ[ENV_FILE], None) if self._budget_mode else None
         # `--prefill-threads solo`: the decode engine stamps its steps, and the prefill engine
-        # computes on one thread while decode steps (coreshare.PrefillThreads); worker halves.
+        # computes on one thread while decode steps (kvtransfer.prefill_threads); worker halves.
         worker = role == KVConnectorRole.WORKER
         producer = self._kv_transfer_config.is_kv_producer
         self._beat = DecodeBeat.from_env() if worker and not producer else None

@@ -204,12 +204,13 @@ class BestRate:
         return max(self._rates, default=None)
 
 
-def _map(path: str, create: bool) -> mmap.mmap:
+def map_word(path: str, create: bool, size: int = _WORD.size) -> mmap.mmap:
+    """A shared-memory word of ``size`` bytes at ``path``: made (zeroed) or opened."""
     fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_TRUNC if create else 0), 0o600)
     try:
         if create:
-            os.ftruncate(fd, _WORD.size)
-        return mmap.mmap(fd, _WORD.size)
+            os.ftruncate(fd, size)
+        return mmap.mmap(fd, size)
     finally:
         os.close(fd)  # the mapping stays
 
@@ -228,7 +229,7 @@ class PrefillBusy:
 
     def __init__(self, base: str) -> None:
         self.path = f"{base}.{os.getpid()}"
-        self._map = _map(self.path, create=True)
+        self._map = map_word(self.path, create=True)
         self._in_hand: dict[int, float] = {}  # token -> urgent at
         self._next = 0
         self._done = 0
@@ -302,7 +303,7 @@ class StepYield:
             present.add(path)
             if path not in self._words:
                 try:
-                    self._words[path] = (int(suffix), _map(path, create=False))
+                    self._words[path] = (int(suffix), map_word(path, create=False))
                 except (FileNotFoundError, ValueError):  # gone, or not yet sized
                     present.discard(path)
         for path in list(self._words):
@@ -416,129 +417,3 @@ def quiet_engine_waits() -> bool:
     condition._pdserve_quiet = True
     return True
 
-
-# ------------------------------------------------------------ prefill threads ------------
-#
-# The prefill engine's OpenMP team needs every one of its threads at each barrier, so at idle
-# priority beside a decode engine that holds even one of the cores (a step's threads, or its
-# engine-core process spinning between steps) the team runs at the pace of the thread that
-# has no core. With `--prefill-threads solo` (PDSERVE_PREFILL_THREADS=solo) the prefill
-# engine computes on one thread, free to run on any of the shared cores, while a decode
-# engine on them is stepping, and on its whole team while decode idles: the decode engine's
-# KV connector stamps its word (`DecodeBeat`) as each step starts and ends, and the prefill
-# engine's connector reads the words at each of its steps (`PrefillThreads`). `always`: one
-# thread at every step (for measuring).
-ENV_PREFILL_THREADS = "PDSERVE_PREFILL_THREADS"
-SOLO = "solo"
-ALWAYS = "always"
-# Decode counts as stepping while in a step and for this long after one ended: its engine
-# builds the next step within a millisecond or two while requests run.
-SOLO_WINDOW_S = 0.05
-_BEAT = struct.Struct("<qd")  # in a step (0/1), when it last started or ended
-
-
-class DecodeBeat:
-    """A decode engine's word, ``<base>.d<pid>`` (one process writes it): whether it is in
-    a step, and when the last step started or ended."""
-
-    def __init__(self, base: str, clock=time.monotonic) -> None:
-        self.path = f"{base}.d{os.getpid()}"
-        self._map = _map(self.path, create=True)
-        self._clock = clock
-        self._stepping = False
-        _BEAT.pack_into(self._map, 0, 0, -NEVER)  # never stepped
-
-    @classmethod
-    def from_env(cls) -> DecodeBeat | None:
-        base = os.environ.get(ENV_FILE)
-        return cls(base) if base and os.environ.get(ENV_PREFILL_THREADS) in (SOLO, ALWAYS) else None
-
-    def step_started(self) -> None:
-        self._stepping = True
-        _BEAT.pack_into(self._map, 0, 1, self._clock())
-
-    def step_ended(self) -> None:
-        """After every step's forward; only one that `step_started` counts."""
-        if self._stepping:
-            self._stepping = False
-            _BEAT.pack_into(self._map, 0, 0, self._clock())
-
-    def close(self) -> None:
-        self._map.close()
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
-
-
-def decode_stepping(now_s: float, beats: list[tuple[int, float]], window_s: float = SOLO_WINDOW_S) -> bool:
-    """Whether any decode engine is in a step or ended one within ``window_s``."""
-    return any(in_step or now_s - at <= window_s for in_step, at in beats)
-
-
-class PrefillThreads:
-    """The prefill side: ``step()`` at each of the engine's steps sets its compute threads,
-    one while a decode engine on these cores is stepping (`decode_stepping`), ``team``
-    otherwise (``always``: one at every step). ``set_threads`` is torch's own setter
-    (vLLM's CPU worker replaces ``torch.set_num_threads`` with a no-op after binding)."""
-
-    def __init__(self, base: str, team: int, set_threads, always: bool = False,
-                 clock=time.monotonic) -> None:
-        self._base = base
-        self.team = team
-        self.always = always
-        self._set_threads = set_threads
-        self._clock = clock
-        self._words: dict[str, tuple[int, mmap.mmap]] = {}
-        self._scanned_s = float("-inf")
-        self.threads = team
-        self.solo_steps = 0
-        self.team_steps = 0
-
-    @classmethod
-    def from_env(cls) -> PrefillThreads | None:
-        base, mode = os.environ.get(ENV_FILE), os.environ.get(ENV_PREFILL_THREADS)
-        if not base or mode not in (SOLO, ALWAYS):
-            return None
-        import torch
-
-        # torch.set_num_threads is torch._C's; vLLM's CPU worker rebinds the name only.
-        return cls(base, torch.get_num_threads(), torch._C.set_num_threads, always=mode == ALWAYS)
-
-    def _rescan(self) -> None:
-        present = set()
-        for path in glob.glob(f"{glob.escape(self._base)}.d*"):
-            suffix = path.rsplit(".d", 1)[1]
-            if not suffix.isdigit():
-                continue
-            present.add(path)
-            if path not in self._words:
-                try:
-                    self._words[path] = (int(suffix), _map(path, create=False))
-                except (FileNotFoundError, ValueError):
-                    present.discard(path)
-        for path in list(self._words):
-            pid, word = self._words[path]
-            if path not in present or not psutil.pid_exists(pid):
-                word.close()
-                del self._words[path]
-
-    def beats(self) -> list[tuple[int, float]]:
-        now = self._clock()
-        if now - self._scanned_s >= RESCAN_S:
-            self._scanned_s = now
-            self._rescan()
-        return [_BEAT.unpack_from(word) for _, word in self._words.values()]
-
-    def step(self) -> int:
-        """Sets the threads for the step about to run; returns how many."""
-        solo = self.always or decode_stepping(self._clock(), self.beats())
-        want = 1 if solo else self.team
-        if want != self.threads:
-            self._set_threads(want)
-            self.threads = want
-        if solo:
-            self.solo_steps += 1
-        else:
-            self.team_steps += 1
-        return want

@@ -229,7 +229,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --cores shared: team: the prefill engine computes on a thread per core; "
                         "solo: on one thread (on any core) while the decode engine is stepping, on all "
                         "while it idles, so that decode holding one core does not stall the prefill "
-                        "engine's whole thread team (kvtransfer.coreshare.PrefillThreads); always: one "
+                        "engine's whole thread team (kvtransfer.prefill_threads.PrefillThreads); always: one "
                         "thread at every step")
     p.add_argument("--json-logs", action="store_true")
     _policy_args(p)

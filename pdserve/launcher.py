@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import psutil
 
-from kvtransfer import coreshare
+from kvtransfer import coreshare, prefill_threads
 from pdserve import gpus
 from pdserve.segments import SegmentTracker
 
@@ -290,7 +290,7 @@ def build_stack(args) -> Stack:
         if yield_ms is not None:
             core_share_env[coreshare.ENV_YIELD_MS] = str(yield_ms)
         if threads != "team":
-            core_share_env[coreshare.ENV_PREFILL_THREADS] = threads
+            core_share_env[prefill_threads.ENV_PREFILL_THREADS] = threads
     for role, count, cpus, offset in (("prefill", args.prefill, prefill_cpus, 1),
                                       ("decode", args.decode, decode_cpus, 1 + args.prefill)):
         for i in range(count):

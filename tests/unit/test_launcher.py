@@ -195,13 +195,13 @@ def test_a_decode_yield_gives_both_workers_one_core_share_word(monkeypatch):
 
 
 def test_prefill_threads_solo_gives_both_workers_the_word_and_the_mode(monkeypatch):
-    from kvtransfer import coreshare
+    from kvtransfer import coreshare, prefill_threads
 
     monkeypatch.setattr(launcher, "gpus", SimpleNamespace(visible_gpus=lambda: [], assign=lambda *a: None))
     stack = build_stack(up_args(argv=["--prefill-threads", "solo"]))
     envs = {c.name: c.env_overrides for c in stack.children}
     for name in ("prefill", "decode"):
-        assert envs[name] == {coreshare.ENV_FILE: stack.core_share_file, coreshare.ENV_PREFILL_THREADS: "solo"}
+        assert envs[name] == {coreshare.ENV_FILE: stack.core_share_file, prefill_threads.ENV_PREFILL_THREADS: "solo"}
     assert envs["gateway"] == {}
     stack = build_stack(up_args(argv=["--prefill-threads", "solo", "--cores", "split"]))
     assert all(c.env_overrides == {} for c in stack.children)  # a core each: nothing shared

@@ -282,3 +282,43 @@ def test_the_gateway_health_follows_registrations_at_once_not_at_the_next_poll_r
     seen, pumps = asyncio.run(scenario())
     assert seen == [not_serving, not_serving, serving, not_serving, (serving, serving), not_serving]
     assert pumps == [1, 2, 2, 3, 2]  # the dispatcher is told of each change
+
+
+def test_a_heartbeat_that_brings_a_worker_back_sets_health_at_once_and_a_routine_one_changes_nothing():
+    from grpc_health.v1 import health_pb2
+
+    from gateway.registry import RegistryServicer
+    from gateway.server import SERVICE_NAME, Serving
+
+    async def scenario():
+        pool, health = WorkerPool(), FakeHealth()
+        serving, pumps = Serving(health, pool), []
+
+        async def changed():
+            pumps.append([w.state for w in pool.workers if w.worker_id == "d1"])
+            await serving.refresh()
+
+        registry = RegistryServicer(pool, 1.0, changed, clock=lambda: 0.0)
+        seen = []
+        try:
+            for worker_id, role in (("p1", "prefill"), ("d1", "decode")):
+                await registry.Register(worker_pb2.RegisterRequest(info=info(worker_id, role), address=f"{worker_id}:1"),
+                                        None)
+            pumps.clear()
+            beat = worker_pb2.HeartbeatRequest(worker_id="d1", load=worker_pb2.WorkerLoad(num_running=1))
+            await registry.Heartbeat(beat, None)  # routine: nothing changes
+            seen.append((health.status[SERVICE_NAME], list(pumps)))
+            pool.expire_heartbeats(10.0, timeout_s=3.0)  # the poll loop's expiry: both down
+            await serving.refresh()
+            seen.append(health.status[SERVICE_NAME])
+            await registry.Heartbeat(worker_pb2.HeartbeatRequest(worker_id="p1"), None)  # p1 back
+            seen.append((health.status[SERVICE_NAME], list(pumps)))
+            await registry.Heartbeat(beat, None)  # d1 back: health at once, dispatcher told
+            seen.append((health.status[SERVICE_NAME], list(pumps)))
+        finally:
+            await pool.close()
+        return seen
+
+    serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+    assert asyncio.run(scenario()) == [(serving, []), not_serving, (not_serving, [["down"]]),
+                                       (serving, [["down"], ["ready"]])]

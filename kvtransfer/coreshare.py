@@ -223,6 +223,43 @@ def remove_words(base: str) -> None:
             pass
 
 
+class Words:
+    """The live words ``<base>.<prefix><pid>`` on this host, each ``size`` bytes: looked for
+    again at most once per RESCAN_S (``read()``), dropping those whose file or process is
+    gone, so a worker killed in the middle of its work stops counting."""
+
+    def __init__(self, base: str, prefix: str = "", size: int = _WORD.size,
+                 clock=time.monotonic) -> None:
+        self._base, self._prefix, self._size, self._clock = base, prefix, size, clock
+        self._words: dict[str, tuple[int, mmap.mmap]] = {}  # path -> (pid, word)
+        self._scanned_s = float("-inf")
+
+    def _rescan(self) -> None:
+        present = set()
+        for path in glob.glob(f"{glob.escape(self._base)}.{self._prefix}*"):
+            suffix = path.rsplit(".", 1)[1].removeprefix(self._prefix)
+            if not suffix.isdigit():
+                continue
+            present.add(path)
+            if path not in self._words:
+                try:
+                    self._words[path] = (int(suffix), map_word(path, create=False, size=self._size))
+                except (FileNotFoundError, ValueError):  # gone, or not yet sized
+                    present.discard(path)
+        for path in list(self._words):
+            pid, word = self._words[path]
+            if path not in present or not psutil.pid_exists(pid):
+                word.close()
+                del self._words[path]
+
+    def read(self) -> list[mmap.mmap]:
+        now = self._clock()
+        if now - self._scanned_s >= RESCAN_S:
+            self._scanned_s = now
+            self._rescan()
+        return [word for _, word in self._words.values()]
+
+
 class PrefillBusy:
     """A prefill worker's prompts in hand, in its own word (one process writes it): how
     many, and the earliest of their urgent times (`urgent_at`)."""
@@ -275,13 +312,11 @@ class StepYield:
 
     def __init__(self, base: str, yield_s: float | None, sleep=time.sleep,
                  clock=time.monotonic, whole: bool = False) -> None:
-        self._base = base
         self.yield_s = yield_s
         self.whole = whole
         self._sleep = sleep
         self._clock = clock
-        self._words: dict[str, tuple[int, mmap.mmap]] = {}  # path -> (pid, word)
-        self._scanned_s = float("-inf")
+        self._words = Words(base, clock=clock)
 
     @classmethod
     def from_env(cls) -> StepYield | None:
@@ -294,33 +329,11 @@ class StepYield:
             return cls(base, None, whole=True)
         return cls(base, float(ms) / 1000) if float(ms) > 0 else None
 
-    def _rescan(self) -> None:
-        present = set()
-        for path in glob.glob(f"{glob.escape(self._base)}.*"):
-            suffix = path.rsplit(".", 1)[1]
-            if not suffix.isdigit():
-                continue
-            present.add(path)
-            if path not in self._words:
-                try:
-                    self._words[path] = (int(suffix), map_word(path, create=False))
-                except (FileNotFoundError, ValueError):  # gone, or not yet sized
-                    present.discard(path)
-        for path in list(self._words):
-            pid, word = self._words[path]
-            if path not in present or not psutil.pid_exists(pid):
-                word.close()
-                del self._words[path]
-
     def prefill_state(self) -> tuple[int, float, int]:
         """Prompts in hand on every prefill worker on these cores, the earliest time one of
         them is urgent (NEVER: none), and how many prompts they have done."""
-        now = self._clock()
-        if now - self._scanned_s >= RESCAN_S:
-            self._scanned_s = now
-            self._rescan()
         count, urgent, done = 0, NEVER, 0
-        for _, word in self._words.values():
+        for word in self._words.read():
             n, at, d = _WORD.unpack_from(word)
             done += d
             if n > 0:

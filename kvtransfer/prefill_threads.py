@@ -19,15 +19,11 @@ for a 1,400-token prompt beside two decoding requests).
 
 from __future__ import annotations
 
-import glob
-import mmap
 import os
 import struct
 import time
 
-import psutil
-
-from kvtransfer.coreshare import ENV_FILE, NEVER, RESCAN_S, map_word
+from kvtransfer.coreshare import ENV_FILE, NEVER, Words, map_word
 
 ENV_PREFILL_THREADS = "PDSERVE_PREFILL_THREADS"
 SOLO = "solo"
@@ -36,6 +32,7 @@ ALWAYS = "always"
 # builds the next step within a millisecond or two while requests run.
 SOLO_WINDOW_S = 0.05
 _BEAT = struct.Struct("<qd")  # in a step (0/1), when it last started or ended
+BEAT_PREFIX = "d"  # a decode engine's word is <base>.d<pid>; a prefill worker's <base>.<pid>
 
 
 class DecodeBeat:
@@ -43,7 +40,7 @@ class DecodeBeat:
     a step, and when the last step started or ended."""
 
     def __init__(self, base: str, clock=time.monotonic) -> None:
-        self.path = f"{base}.d{os.getpid()}"
+        self.path = f"{base}.{BEAT_PREFIX}{os.getpid()}"
         self._map = map_word(self.path, create=True, size=_BEAT.size)
         self._clock = clock
         self._stepping = False
@@ -85,13 +82,11 @@ class PrefillThreads:
 
     def __init__(self, base: str, team: int, set_threads, always: bool = False,
                  clock=time.monotonic) -> None:
-        self._base = base
         self.team = team
         self.always = always
         self._set_threads = set_threads
         self._clock = clock
-        self._words: dict[str, tuple[int, mmap.mmap]] = {}
-        self._scanned_s = float("-inf")
+        self._words = Words(base, prefix=BEAT_PREFIX, size=_BEAT.size, clock=clock)
         self.threads = team
         self.solo_steps = 0
         self.team_steps = 0
@@ -106,30 +101,8 @@ class PrefillThreads:
         # torch.set_num_threads is torch._C's; vLLM's CPU worker rebinds the name only.
         return cls(base, torch.get_num_threads(), torch._C.set_num_threads, always=mode == ALWAYS)
 
-    def _rescan(self) -> None:
-        present = set()
-        for path in glob.glob(f"{glob.escape(self._base)}.d*"):
-            suffix = path.rsplit(".d", 1)[1]
-            if not suffix.isdigit():
-                continue
-            present.add(path)
-            if path not in self._words:
-                try:
-                    self._words[path] = (int(suffix), map_word(path, create=False, size=_BEAT.size))
-                except (FileNotFoundError, ValueError):
-                    present.discard(path)
-        for path in list(self._words):
-            pid, word = self._words[path]
-            if path not in present or not psutil.pid_exists(pid):
-                word.close()
-                del self._words[path]
-
     def beats(self) -> list[tuple[int, float]]:
-        now = self._clock()
-        if now - self._scanned_s >= RESCAN_S:
-            self._scanned_s = now
-            self._rescan()
-        return [_BEAT.unpack_from(word) for _, word in self._words.values()]
+        return [_BEAT.unpack_from(word) for word in self._words.read()]
 
     def step(self) -> int:
         """Sets the threads for the step about to run; returns how many."""

@@ -3,34 +3,17 @@ engine's yield that sums them (real /dev/shm words; other workers as child proce
 
 from __future__ import annotations
 
-import glob
 import os
 import subprocess
 import sys
-import uuid
 from types import SimpleNamespace
 
 import pytest
 
 from kvtransfer.coreshare import (ENV_FILE, ENV_YIELD_MS, NEVER, SLACK_SLICE_MAX_S, WHOLE_MAX_S, WHOLE_POLL_S, BestRate,
-                                  PrefillBusy, StepPace, StepYield, pace_budget_s, pause_budget_s, remove_words, budget_mode_from_env,
+                                  PrefillBusy, StepPace, StepYield, pace_budget_s, pause_budget_s, budget_mode_from_env,
                                   urgent_at)
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-@pytest.fixture
-def base():
-    path = f"/dev/shm/pdserve-test-cores-{uuid.uuid4().hex}"
-    yield path
-    remove_words(path)
-    assert not glob.glob(path + "*")
+from tests.unit.shm_words import Clock, base  # noqa: F401 - base is a fixture
 
 
 def test_decode_yields_only_while_prefill_has_prompts_in_hand(base):

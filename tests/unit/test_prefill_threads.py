@@ -2,32 +2,13 @@
 
 from __future__ import annotations
 
-import glob
 import os
 import subprocess
 import sys
-import uuid
 
-import pytest
-
-from kvtransfer.coreshare import StepYield, remove_words
+from kvtransfer.coreshare import StepYield
 from kvtransfer.prefill_threads import SOLO_WINDOW_S, DecodeBeat, PrefillThreads
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-@pytest.fixture
-def base():
-    path = f"/dev/shm/pdserve-test-threads-{uuid.uuid4().hex}"
-    yield path
-    remove_words(path)
-    assert not glob.glob(path + "*")
+from tests.unit.shm_words import Clock, base  # noqa: F401 - base is a fixture
 
 
 def test_prefill_computes_on_one_thread_while_decode_steps_and_on_its_team_otherwise(base):

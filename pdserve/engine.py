@@ -85,7 +85,7 @@ def build_engine(cfg: WorkerConfig, stat_loggers: list | None = None) -> AsyncLL
 def resolve_kv_ports(cfg: WorkerConfig) -> WorkerConfig:
     """Picks free ports for a prefill worker's tcp/nccl transports left at 0: a location
     names its port, so it must be known before the engine starts serving it."""
-    from pdserve.launcher import free_port
+    from pdserve.ports import free_port
 
     if cfg.role != "prefill":
         return cfg

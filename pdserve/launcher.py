@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -24,6 +23,7 @@ import psutil
 
 from kvtransfer import coreshare, prefill_threads
 from pdserve import gpus
+from pdserve.ports import free_port, free_port_block  # noqa: F401 (tests and scripts import them here)
 from pdserve.segments import SegmentTracker
 
 STOP_GRACE_S = 15.0
@@ -108,31 +108,6 @@ class Child:
                 os.killpg(self.proc.pid, sig)
             except ProcessLookupError:
                 pass
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def free_port_block(count: int, host: str = "127.0.0.1", tries: int = 50) -> int:
-    """A port p such that p .. p + count - 1 are all free right now."""
-    for _ in range(tries):
-        base = free_port(host)
-        socks = []
-        try:
-            for port in range(base, base + count):
-                s = socket.socket()
-                socks.append(s)
-                s.bind((host, port))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise OSError(f"no block of {count} free ports found")
 
 
 def core_split(mode: str = "split") -> tuple[str | None, str | None]:

@@ -94,7 +94,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import grpc
 
-    from pdserve.launcher import free_port_block
+    from pdserve.ports import free_port_block
     from pdserve.model import resolve_model
     from protos import worker_pb2, worker_pb2_grpc
 

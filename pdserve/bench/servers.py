@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import threading
 import time
@@ -23,6 +22,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pdserve.ports import free_port  # noqa: F401 (the harness and its scripts import it here)
 from pdserve.segments import SegmentTracker
 
 
@@ -45,13 +45,6 @@ class ServerSpec:
     def __post_init__(self) -> None:
         if (self.ready_pattern is None) == (self.health_url is None):
             raise ValueError(f"{self.name}: give exactly one of ready_pattern and health_url")
-
-
-def free_port() -> int:
-    """A port the kernel just handed out; free unless another process races for it."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def descendants(pid: int) -> list[int]:

@@ -3,6 +3,7 @@ placement, each shown by what the workers received."""
 
 from __future__ import annotations
 
+import os
 import re
 import threading
 import time
@@ -288,6 +289,18 @@ def test_a_newer_long_prompt_does_not_take_the_decode_worker_ahead_of_an_older_o
     waited_s, predicted_s = float(moves[0].group(1)), float(moves[0].group(2))
     assert waited_s < 2 * predicted_s, since  # at the newer prompt's arrival, not at its stall time
     assert old_replies[-1].usage.completion_tokens == 4 and new_replies[-1].usage.completion_tokens == 4
+
+
+def test_only_the_prefill_engine_runs_at_idle_priority_not_the_worker_that_answers_the_gateway(stack):
+    """The engine's processes yield the cores to decode; every thread of the worker process
+    itself (gRPC server, health, the engine client's threads) stays normal class, so that a
+    starved thread holding the GIL cannot stall its answers to the gateway's health checks."""
+    worker = psutil.Process(_prefill_worker_pid(stack))
+    engine = worker.children(recursive=True)
+    by_class = {p.pid: sorted({os.sched_getscheduler(t.id) for t in p.threads()}) for p in (worker, *engine)}
+    assert len(by_class) >= 3, by_class  # the worker, its engine core and the engine's worker
+    assert by_class.pop(worker.pid) == [os.SCHED_OTHER]
+    assert all(classes == [os.SCHED_IDLE] for classes in by_class.values()), by_class
 
 
 def _prefill_worker_pid(stack) -> int:

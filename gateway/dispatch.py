@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from gateway import metrics
 from gateway.admission import Forecast, Reason, Refusal, decide, predict_ttft_s, remaining_tokens
 from gateway.placement import (Placement, PlacementConfig, PrefixIndex, Where, move_stalled, pick_decode, place,
-                               rescue_long, stalled_after_s)
+                               place_without_tier, rescue_long, stalled_after_s)
 from gateway.queue import Priority, QueueFull, RequestQueue, Ticket
 from gateway.workers import Seat, Worker, WorkerPool
 from pdserve import rpc
@@ -306,6 +306,8 @@ class Dispatcher:
         prefill = [w.prefill_load(now, matched.get(w.address, 0), contended)
                    for w in self._workers.routable("prefill")]
         decode = [w.decode_load(now) for w in self._workers.routable("decode")]
+        if not prefill:
+            return place_without_tier(ticket.num_prompt_tokens, ticket.num_prompt_tokens + ticket.max_tokens, decode)
         budget = None if ticket.ttft_slo_s is None else ticket.arrival_s + ticket.ttft_slo_s - now
         return place(ticket.num_prompt_tokens, ticket.num_prompt_tokens + ticket.max_tokens,
                      prefill, decode, self._placement, remote_open, budget if self._admission else None,

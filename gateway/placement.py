@@ -21,6 +21,9 @@ prefilled the same leading blocks recently) do not count as work there.
 Decode: the worker with a free seat and KV room that runs the fewest requests (then the
 lowest KV use).
 
+No tier: while no prefill worker is in rotation, the decode workers prefill every prompt
+(`place_without_tier`), so the service degrades to colocated serving instead of refusing.
+
 Moved: a remote prefill of a prompt a decode worker could take, that has not answered
 within twice its predicted time, is taken back and prefilled on a decode worker. With
 both engines on the same cores, the prefill engine runs at idle priority and a decode
@@ -153,6 +156,18 @@ def place(num_prompt_tokens: int, kv_tokens: int, prefill: list[PrefillLoad], de
         # takes the prompt within its slack, at a known rate, is the sure start.
         return local
     return local if local.predicted_ttft_s <= remote.predicted_ttft_s else remote
+
+
+def place_without_tier(num_prompt_tokens: int, kv_tokens: int, decode: list[DecodeLoad]) -> Placement | None:
+    """With no prefill worker in rotation (all gone, down or draining), a decode worker
+    prefills every prompt whatever its length, as one colocated engine would, rather than
+    the gateway refusing all traffic: the one with a seat that runs the fewest requests;
+    None: every one is full, wait."""
+    worker = pick_decode(kv_tokens, decode)
+    if worker is None:
+        return None
+    load = next(d for d in decode if d.worker == worker)
+    return Placement(Where.LOCAL, worker, load.local_ttft_s(num_prompt_tokens))
 
 
 def rescue_long(num_prompt_tokens: int, kv_tokens: int, decode: list[DecodeLoad],

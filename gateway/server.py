@@ -137,7 +137,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         arrival_s = time.monotonic()
         info = self._workers.model_info()
         if info is None or not self._workers.ready():
-            raise rpc.Unavailable("no prefill or no decode worker is ready; retry shortly")
+            raise rpc.Unavailable("no decode worker is ready; retry shortly")
         prompt_ids = await self._tokenize(job)
         check_prompt_fits(prompt_ids, job.sampling, info.max_model_len, info.vocab_size)
         ticket = self._ticket(job, prompt_ids, arrival_s, time_remaining_s)
@@ -345,7 +345,8 @@ async def _quiet(call) -> None:
 
 
 class Serving:
-    """The gateway's health: SERVING while each tier has a routable worker. Set at once when
+    """The gateway's health: SERVING while a decode worker is routable (without a prefill
+    worker, decode workers prefill every prompt themselves). Set at once when
     a worker registers, returns by heartbeat, leaves or drains, and on each poll round: seen
     in CI, a decode worker restarted and registered served a request while the gateway still
     said NOT_SERVING until the next round."""
@@ -354,6 +355,7 @@ class Serving:
         self._health = health
         self._workers = workers
         self._was_ready: bool | None = None
+        self._had_tier: bool | None = None
 
     async def refresh(self) -> None:
         ready = self._workers.ready()
@@ -361,8 +363,15 @@ class Serving:
             metrics.WORKERS_READY.labels(role).set(len(self._workers.routable(role)))
         if ready != self._was_ready:
             await rpc.set_serving(self._health, [SERVICE_NAME], ready)
-            logger.info("gateway %s", "SERVING" if ready else "NOT_SERVING: waiting for workers")
+            logger.info("gateway %s", "SERVING" if ready else "NOT_SERVING: waiting for a decode worker")
             self._was_ready = ready
+        tier = bool(self._workers.routable("prefill"))
+        if ready and tier != self._had_tier:
+            if not tier:
+                logger.warning("no prefill worker in rotation: the decode workers prefill every prompt until one is")
+            elif self._had_tier is False:
+                logger.info("a prefill worker is in rotation: long prompts go to the prefill tier again")
+            self._had_tier = tier
 
 
 async def _poll_workers(workers: WorkerPool, dispatcher: Dispatcher, serving: Serving, cfg: GatewayConfig) -> None:

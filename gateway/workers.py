@@ -287,7 +287,9 @@ class WorkerPool:
         return next(w for w in self.workers if w.address == address)
 
     def ready(self) -> bool:
-        return all(self.routable(role) for role in ("prefill", "decode"))
+        """Serving needs a decode worker; without a prefill worker in rotation the decode
+        workers prefill every prompt themselves (placement.place_without_tier)."""
+        return bool(self.routable("decode"))
 
     def pick(self, role: str) -> Worker | None:
         return min(self.routable(role), key=lambda w: w.num_inflight, default=None)

@@ -191,7 +191,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics-port", type=int, default=9400,
                    help="Prometheus ports: gateway here, prefill +1, decode +2 (0: off)")
     p.add_argument("--ready-timeout-s", type=float, default=300.0)
-    p.add_argument("--prefill", type=int, default=1, metavar="N", help="prefill workers")
+    p.add_argument("--prefill", type=int, default=1, metavar="N",
+                   help="prefill workers (0: none, the decode workers prefill every prompt)")
     p.add_argument("--decode", type=int, default=1, metavar="M", help="decode workers")
     p.add_argument("--kv-transport", default="auto", choices=("auto", "shm", "tcp", "nccl", "cuda_ipc"),
                    help="KV transport between the tiers (auto: shared memory on CPU, CUDA IPC on a GPU; "

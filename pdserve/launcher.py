@@ -163,21 +163,28 @@ class Stack:
                 child.start(child.env)
 
     def wait_ready(self, timeout_s: float) -> None:
-        """Blocks until the gateway reports SERVING; raises if a child dies or time runs out."""
+        """Blocks until the gateway reports SERVING with every worker of the stack ready in
+        its tiers (the gateway serves once a decode worker is there; the stack is ready when
+        all of it is); raises if a child dies or time runs out."""
         import grpc
         from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+        from protos import worker_pb2, worker_pb2_grpc
+
+        num_workers = sum(c.name != "gateway" for c in self.children)
         deadline = time.monotonic() + timeout_s
         with grpc.insecure_channel(self.gateway_address) as channel:
-            stub = health_pb2_grpc.HealthStub(channel)
+            health, registry = health_pb2_grpc.HealthStub(channel), worker_pb2_grpc.RegistryStub(channel)
             while time.monotonic() < deadline:
                 dead = [c.name for c in self.children if not c.alive()]
                 if dead:
                     raise RuntimeError(f"{', '.join(dead)} exited during start-up (see its log above)")
                 try:
-                    reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=1)
+                    reply = health.Check(health_pb2.HealthCheckRequest(), timeout=1)
                     if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                        return
+                        workers = registry.ListWorkers(worker_pb2.ListWorkersRequest(), timeout=1).workers
+                        if sum(w.state == "ready" for w in workers) >= num_workers:
+                            return
                 except grpc.RpcError:
                     pass
                 time.sleep(0.5)
@@ -240,7 +247,8 @@ def build_stack(args) -> Stack:
     py = [sys.executable, "-m", "pdserve.cli"]
     connect_host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
     gateway_address = f"{connect_host}:{args.port}"
-    prefill_cpus, decode_cpus = core_split(args.cores)
+    # Without a prefill tier, the decode engines have every core whatever the split.
+    prefill_cpus, decode_cpus = core_split(args.cores if args.prefill else "shared")
     common = ["--model", args.model, "--kv-cache-gib", str(args.kv_cache_gib), "--block-size", str(args.block_size),
               "--kv-lease-s", str(args.kv_lease_s), "--kv-timeout-s", str(args.kv_timeout_s),
               "--gateway", gateway_address]
@@ -292,8 +300,9 @@ def core_share_path() -> str:
 
 
 def up(args) -> int:
-    if args.prefill < 1 or args.decode < 1:
-        raise ValueError(f"--prefill and --decode need at least one worker each, got {args.prefill} and {args.decode}")
+    if args.prefill < 0 or args.decode < 1:
+        raise ValueError(f"--decode needs at least one worker and --prefill none or more, got {args.decode} and "
+                         f"{args.prefill}")
     stack = build_stack(args)
     stopping = threading.Event()
 

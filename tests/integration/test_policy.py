@@ -200,9 +200,9 @@ def test_a_short_prompt_stalled_on_the_prefill_tier_is_moved_to_the_decode_worke
     assert route["pdserve-prefill"] == "moved"
     assert elapsed < 30, elapsed
     # Sent there first: the gateway's own log line below says so. The prefill worker's
-    # "prefill stall-short" line is not required: its front end runs at idle priority
-    # beside the busy decode engine and may not reach the call within the 0.25 s the
-    # gateway waits (seen once in a full run: the line never came).
+    # "prefill stall-short" line is not required: the worker may not reach the call within
+    # the 0.25 s the gateway waits (seen once in a full run, the line never came, when a
+    # thread of its front end still ran at idle priority beside the busy decode engine).
     assert stack.metric(0, "pdserve_prefills_moved_total") - moved_before == 1
     assert any("request stall-short: prefill worker" in line and "did not answer" in line for line in stack.log)
 
@@ -289,6 +289,30 @@ def test_a_newer_long_prompt_does_not_take_the_decode_worker_ahead_of_an_older_o
     waited_s, predicted_s = float(moves[0].group(1)), float(moves[0].group(2))
     assert waited_s < 2 * predicted_s, since  # at the newer prompt's arrival, not at its stall time
     assert old_replies[-1].usage.completion_tokens == 4 and new_replies[-1].usage.completion_tokens == 4
+
+
+def test_with_the_prefill_worker_down_a_long_prompt_is_prefilled_on_the_decode_worker(stack, prompts):
+    """The prefill worker stopped (SIGSTOP, its engine too) leaves rotation; the gateway keeps
+    serving, the decode worker prefilling every prompt, a long one too, and long prompts go
+    to the tier again once the worker is back."""
+    worker = psutil.Process(_prefill_worker_pid(stack))
+    stopped = [worker, *worker.children(recursive=True)]
+    prefill_ready = lambda: stack.metric(0, "pdserve_workers_ready", 'role="prefill"')  # noqa: E731
+    for p in stopped:
+        p.suspend()
+    try:
+        wait_for(lambda: prefill_ready() == 0, 30)
+        replies, route = call_routed(stack, request(prompts(70, 600), "tierless", max_tokens=4), timeout_s=60)
+    finally:
+        for p in stopped:
+            p.resume()
+    wait_for(lambda: prefill_ready() == 1, 30)
+    assert replies[-1].usage.completion_tokens == 4
+    assert route["pdserve-prefill"] == "local"
+    assert any("no prefill worker in rotation" in line for line in stack.log)
+    replies, route = call_routed(stack, request(prompts(72, 600), "tier-again", max_tokens=4))
+    assert replies[-1].usage.completion_tokens == 4
+    assert route["pdserve-prefill"] == "remote"
 
 
 def test_only_the_prefill_engine_runs_at_idle_priority_not_the_worker_that_answers_the_gateway(stack):

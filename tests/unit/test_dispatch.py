@@ -63,6 +63,22 @@ def test_a_ticket_waiting_for_the_tier_does_not_block_a_local_one_behind_it():
 
     assert run(scenario()) == (Where.REMOTE, Where.LOCAL, 0)
 
+def test_with_the_prefill_tier_down_every_prompt_is_prefilled_on_a_decode_worker_until_it_returns():
+    async def scenario():
+        d, pool, _ = dispatcher()
+        p0 = pool.by_address("p0")
+        pool.mark_down(p0, "3 health checks unanswered")
+        served = [pool.ready()]
+        grant = await d.acquire(ticket("long", 3000))
+        served.append((grant.placement.where, grant.placement.worker))
+        p0.healthy = True  # back (a heartbeat)
+        grant = await d.acquire(ticket("long-again", 3000))
+        served.append((grant.placement.where, grant.placement.worker))
+        return served
+
+    assert run(scenario()) == [True, (Where.LOCAL, "d0"), (Where.REMOTE, "p0")]
+
+
 def test_a_deadline_passing_in_the_queue_ends_the_request_before_any_worker():
     async def scenario():
         d, pool, clock = dispatcher()

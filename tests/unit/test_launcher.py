@@ -75,9 +75,14 @@ def test_a_dead_child_is_restarted_after_a_growing_backoff(monkeypatch):
     assert starts[-1] == {"A": "1"}
 
 
-def test_up_refuses_an_empty_tier():
-    with pytest.raises(ValueError, match="at least one worker each"):
+def test_up_refuses_an_empty_decode_tier_and_serves_without_a_prefill_tier():
+    with pytest.raises(ValueError, match="--decode needs at least one worker"):
         launcher.up(up_args(argv=["--decode", "0"]))
+    for cores in ("shared", "split"):
+        stack = build_stack(up_args(argv=["--prefill", "0", "--cores", cores]))
+        assert [c.name for c in stack.children] == ["gateway", "decode"]
+        decode = stack.children[1].argv
+        assert decode[decode.index("--cpus") + 1] == core_split("shared")[1]  # every core
 
 
 def test_on_a_gpu_machine_each_tier_gets_its_gpu(monkeypatch):

@@ -17,6 +17,7 @@ from gateway.placement import (
     move_stalled,
     pick_decode,
     place,
+    place_without_tier,
     rescue_long,
     stalled_after_s,
 )
@@ -252,3 +253,15 @@ def test_a_measured_local_latency_counts_the_fixed_part_once_for_prompts_batched
     assert d.local_ttft_s(60) == pytest.approx(0.26)
     p = place(60, 100, [prefill(tps=200.0)], [d], CFG)
     assert (p.where, p.predicted_ttft_s) == (Where.LOCAL, pytest.approx(0.26))
+
+
+def test_with_no_prefill_tier_a_decode_worker_prefills_any_prompt_even_beyond_its_slack():
+    """Colocated serving until a prefill worker is back: the least busy decode worker with a
+    seat takes a prompt of any length, its running requests' slack notwithstanding."""
+    busy = decode("d0", running=3, slack=0.0, tps=1000.0)
+    idle = decode("d1", running=1, slack=0.0, tps=1000.0)
+    p = place_without_tier(3000, 3100, [busy, idle])
+    assert (p.where, p.worker, p.predicted_ttft_s) == (Where.LOCAL, "d1", pytest.approx(3.0))
+    full = decode("d1", running=1, kv_used=9_000)
+    assert place_without_tier(3000, 3100, [full]) is None  # no KV room anywhere: it waits
+    assert place_without_tier(3000, 3100, [decode("d2", running=1, tps=None)]).predicted_ttft_s is None

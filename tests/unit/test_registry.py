@@ -280,7 +280,8 @@ def test_the_gateway_health_follows_registrations_at_once_not_at_the_next_poll_r
 
     serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
     seen, pumps = asyncio.run(scenario())
-    assert seen == [not_serving, not_serving, serving, not_serving, (serving, serving), not_serving]
+    # Serving needs a decode worker, not a prefill worker (decode then prefills every prompt).
+    assert seen == [not_serving, not_serving, serving, not_serving, (serving, serving), serving]
     assert pumps == [1, 2, 2, 3, 2]  # the dispatcher is told of each change
 
 

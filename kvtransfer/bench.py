@@ -30,7 +30,7 @@ import torch
 import torch.multiprocessing as mp
 
 from kvtransfer.layout import KVHandle, KVLayout, layer_views
-from kvtransfer.transport import KVTransport, transport_class
+from kvtransfer.transport import transport_class
 
 DEFAULT_LAYOUT = KVLayout(num_layers=30, block_size=32, num_kv_heads=3, entry_size=128,
                           dtype="bfloat16")

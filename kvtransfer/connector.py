@@ -14,7 +14,7 @@ kv_connector_module_path="kvtransfer.connector", kv_role=..., kv_connector_extra
   the request's blocks instead of being computed;
 - ``{"pdserve_tpot_s": seconds}`` on a consumer: the request's TPOT objective, which bounds
   how long the engine pauses per step for a prefill engine on its cores when the decode
-  yield is ``slack`` (kvtransfer.coreshare).
+  yield is ``slack`` or ``pace`` (kvtransfer.step_budget).
 
 Request lifecycle on the consumer:
   1. Waiting: the scheduler asks ``get_num_new_matched_tokens``; we answer how many prompt
@@ -51,7 +51,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import time
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
@@ -65,10 +64,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvtransfer import metrics
-from kvtransfer.coreshare import (ENV_FILE, SLACK, StepPace, StepYield, budget_mode_from_env,
-                                  pace_budget_s, pause_budget_s, quiet_engine_waits)
+from kvtransfer.coreshare import StepYield, quiet_engine_waits
 from kvtransfer.layout import REQUIRED_KV_CACHE_LAYOUT, KVHandle, KVLayout, expected_layout
 from kvtransfer.prefill_threads import DecodeBeat, PrefillThreads
+from kvtransfer.step_budget import StepBudget
 from kvtransfer.transport import KVTransferError, KVTransport, transport_class
 
 if TYPE_CHECKING:
@@ -174,16 +173,9 @@ class PdConnector(KVConnectorBase_V1):
         # while that has prompts in hand (kvtransfer.coreshare; off unless configured).
         self._step_yield = (None if self._kv_transfer_config.is_kv_producer
                             or role != KVConnectorRole.WORKER else StepYield.from_env())
-        # Slack or pace mode (coreshare.SLACK / PACE; None: neither), scheduler half: the
-        # requests with a TPOT objective, id -> [request, objective s, when their first token
-        # was seen].
-        self._budget_mode = (budget_mode_from_env() if role == KVConnectorRole.SCHEDULER
-                       and not self._kv_transfer_config.is_kv_producer else None)
-        self._objectives: dict[str, list] = {}
-        # Slack or pace mode: the engine's time per plain decode step, and the prefill workers'
-        # prompts in hand (no budget while they have none, so plain steps can be timed).
-        self._pace = StepPace()
-        self._prefill = StepYield(os.environ[ENV_FILE], None) if self._budget_mode else None
+        # Slack or pace mode, scheduler half: how long each step may pause (None: neither).
+        self._budget = (StepBudget.from_env() if role == KVConnectorRole.SCHEDULER
+                        and not self._kv_transfer_config.is_kv_producer else None)
         # `--prefill-threads solo`: the decode engine stamps its steps, and the prefill engine
         # computes on one thread while decode steps (kvtransfer.prefill_threads); worker halves.
         worker = role == KVConnectorRole.WORKER
@@ -197,8 +189,8 @@ class PdConnector(KVConnectorBase_V1):
 
     def on_new_request(self, request: Request) -> None:
         params = request.kv_transfer_params or {}
-        if self._budget_mode and params.get(TPOT_KEY):
-            self._objectives[request.request_id] = [request, float(params[TPOT_KEY]), None]
+        if self._budget is not None and params.get(TPOT_KEY):
+            self._budget.add(request, float(params[TPOT_KEY]))
         if SAVE_KEY in params:
             assert self._kv_transfer_config.is_kv_producer, "save asked of a consumer engine"
             save = params[SAVE_KEY]
@@ -242,8 +234,8 @@ class PdConnector(KVConnectorBase_V1):
             loads=list(self._pending_loads.values()),
             idle=not any(scheduler_output.num_scheduled_tokens.values()),
         )
-        if self._budget_mode:
-            meta.yield_budget_s = self._yield_budget_s(scheduler_output)
+        if self._budget is not None:
+            meta.yield_budget_s = self._budget.budget_s(scheduler_output)
         self._pending_loads.clear()
         scheduled = scheduler_output.num_scheduled_tokens
         for request_id, (request, save) in list(self._pending_saves.items()):
@@ -274,38 +266,6 @@ class PdConnector(KVConnectorBase_V1):
             del self._pending_saves[request_id]
         return meta
 
-    def _yield_budget_s(self, scheduler_output: SchedulerOutput) -> float:
-        now = time.monotonic()
-        scheduled = scheduler_output.num_scheduled_tokens
-        in_hand, urgent_at, _ = self._prefill.prefill_state()
-        budget = self._budget_now(now, scheduler_output, in_hand)
-        # A step that only decodes (one token per request) and will not pause (no budget, no
-        # urgent prompt) times the pace.
-        self._pace.observe(now, plain=bool(scheduled) and budget == 0.0
-                           and not scheduler_output.scheduled_new_reqs
-                           and all(n == 1 for n in scheduled.values())
-                           and not (in_hand > 0 and urgent_at <= now))
-        return budget
-
-    def _budget_now(self, now: float, scheduler_output: SchedulerOutput, in_hand: int) -> float:
-        if scheduler_output.scheduled_new_reqs:
-            return 0.0  # a prompt starts in this step: a pause would add to its TTFT
-        running = []
-        for request_id in scheduler_output.num_scheduled_tokens:
-            entry = self._objectives.get(request_id)
-            if entry is None:
-                return 0.0  # no TPOT objective: nothing says what a pause would cost it
-            request, objective_s, first_s = entry
-            made = request.num_output_tokens
-            if made >= 1 and first_s is None:
-                entry[2] = first_s = now  # made by the step before this one
-            running.append((made, objective_s, first_s, getattr(request, "max_tokens", None)))
-        if not running or in_hand <= 0:
-            return 0.0  # first tokens are recorded above all the same
-        if self._budget_mode == SLACK:
-            return pause_budget_s(now, running, self._pace.step_s)
-        return pace_budget_s(running, self._pace.step_s)
-
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         failed = connector_output.invalid_block_ids
         if not failed:
@@ -318,7 +278,8 @@ class PdConnector(KVConnectorBase_V1):
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         self._loading_blocks.pop(request.request_id, None)
-        self._objectives.pop(request.request_id, None)
+        if self._budget is not None:
+            self._budget.forget(request.request_id)
         self._pending_saves.pop(request.request_id, None)
         self._pending_loads.pop(request.request_id, None)
         num_external = self._num_external_tokens.pop(request.request_id, 0)

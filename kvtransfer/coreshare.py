@@ -215,6 +215,15 @@ def map_word(path: str, create: bool, size: int = _WORD.size) -> mmap.mmap:
         os.close(fd)  # the mapping stays
 
 
+def unmap_word(word: mmap.mmap, path: str) -> None:
+    """The owner's end of a word: unmapped and its file removed (once; readers drop it)."""
+    word.close()
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
 def remove_words(base: str) -> None:
     for path in glob.glob(f"{glob.escape(base)}.*"):
         try:
@@ -297,11 +306,7 @@ class PrefillBusy:
         self._write()
 
     def close(self) -> None:
-        self._map.close()
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
+        unmap_word(self._map, self.path)
 
 
 class StepYield:

@@ -23,7 +23,7 @@ import os
 import struct
 import time
 
-from kvtransfer.coreshare import ENV_FILE, NEVER, Words, map_word
+from kvtransfer.coreshare import ENV_FILE, NEVER, Words, map_word, unmap_word
 
 ENV_PREFILL_THREADS = "PDSERVE_PREFILL_THREADS"
 SOLO = "solo"
@@ -62,11 +62,7 @@ class DecodeBeat:
             _BEAT.pack_into(self._map, 0, 0, self._clock())
 
     def close(self) -> None:
-        self._map.close()
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
+        unmap_word(self._map, self.path)
 
 
 def decode_stepping(now_s: float, beats: list[tuple[int, float]], window_s: float = SOLO_WINDOW_S) -> bool:

@@ -1,6 +1,5 @@
 """PdConnector's bookkeeping, on fakes of the vLLM objects it reads (no engine)."""
 
-import time
 import uuid
 from pathlib import Path
 from types import SimpleNamespace
@@ -99,15 +98,14 @@ def test_consumer_without_external_tokens_records_nothing():
 @pytest.fixture
 def slack_env(monkeypatch):
     """Slack mode on a fresh core-share base with one prefill worker's word, and the
-    connector module's clock under the test's hand: (word, now)."""
-    import kvtransfer.connector as module
-    from kvtransfer import coreshare
+    step budget's clock under the test's hand: (word, now)."""
+    from kvtransfer import coreshare, step_budget
 
     base = f"/dev/shm/pdserve-test-cores-{uuid.uuid4().hex}"
     monkeypatch.setenv(coreshare.ENV_FILE, base)
     monkeypatch.setenv(coreshare.ENV_YIELD_MS, coreshare.SLACK)
     now = [100.0]
-    monkeypatch.setattr(module, "time", SimpleNamespace(monotonic=lambda: now[0], perf_counter=time.perf_counter))
+    monkeypatch.setattr(step_budget, "time", SimpleNamespace(monotonic=lambda: now[0]))
     word = coreshare.PrefillBusy(base)
     yield word, now
     word.close()
@@ -172,7 +170,7 @@ def test_slack_mode_adds_the_tokens_to_come_at_the_pace_of_plain_steps(slack_env
         now[0] = 100.0 + 0.05 * k
         r1.num_output_tokens = k + 1
         assert step_budget(c, [r1]) == 0.0  # prefill idle: no pause, a timed step
-    assert c._pace.step_s == pytest.approx(0.05)
+    assert c._budget.pace.step_s == pytest.approx(0.05)
     busy.enter()
     now[0] = 100.5
     r1.num_output_tokens = 11

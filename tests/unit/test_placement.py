@@ -246,6 +246,20 @@ def test_a_stalled_prompt_stays_when_no_decode_worker_can_take_it():
     assert (p.where, p.worker) == (Where.LOCAL, "d0")
 
 
+def test_a_long_prompt_already_past_its_objective_moves_within_slack_never_beyond():
+    """No budget is left to meet, so the rescue's budget test cannot pass; within the running
+    requests' slack it moves all the same (the tier and the caller wait no longer), and
+    never beyond it, nor past the rescue limit."""
+    slack = decode(running=2, tps=1000.0, slack=1.0)
+    assert move_stalled(800, 900, [slack], CFG, ttft_budget_s=0.5) is None  # still has a budget: missed there
+    late = move_stalled(800, 900, [slack], CFG, ttft_budget_s=-3.0)
+    assert (late.where, late.worker, late.predicted_ttft_s) == (Where.LOCAL, "d0", pytest.approx(0.8))
+    assert move_stalled(800, 900, [slack], CFG, ttft_budget_s=0.0).where is Where.LOCAL
+    assert move_stalled(1200, 1300, [slack], CFG, ttft_budget_s=-3.0) is None  # a 1.2 s stall: beyond slack
+    assert move_stalled(5000, 5100, [decode(running=2, tps=1000.0, slack=99.0)], CFG, ttft_budget_s=-3.0) is None
+    assert move_stalled(800, 900, [slack], CFG) is None  # no objective: nothing says it is late
+
+
 def test_a_measured_local_latency_counts_the_fixed_part_once_for_prompts_batched_together():
     # 0.16 s + 1 ms per token of the step's prompts: 40 pending + 60 new = 0.26 s, where a
     # rate of 200 tok/s (40 tokens in 0.2 s alone) would say 0.5 s.

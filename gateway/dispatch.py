@@ -407,8 +407,11 @@ class Dispatcher:
         now = self._clock()
         decode = [w.decode_load(now) for w in self._workers.routable("decode")]
         budget = None if ticket.ttft_slo_s is None else ticket.arrival_s + ticket.ttft_slo_s - now
+        # A prompt past its objective moves within slack only while no other prompt waits for
+        # it: not when offered a rescue ahead of a newer one, nor with prompts queued here.
         placement = move_stalled(ticket.num_prompt_tokens, ticket.num_prompt_tokens + ticket.max_tokens, decode,
-                                 self._placement, budget if self._admission else None, self._rescue_rate(now))
+                                 self._placement, budget if self._admission else None, self._rescue_rate(now),
+                                 late_rescue=not offered and not self._waiting)
         if placement is None:
             if offered:
                 self.pump()  # the prompt held back for this offer takes its place now

@@ -201,7 +201,8 @@ def stalled_after_s(num_prompt_tokens: int, predicted_ttft_s: float | None, cfg:
 
 
 def move_stalled(num_prompt_tokens: int, kv_tokens: int, decode: list[DecodeLoad], cfg: PlacementConfig,
-                 ttft_budget_s: float | None = None, rescue_rate: float | None = None) -> Placement | None:
+                 ttft_budget_s: float | None = None, rescue_rate: float | None = None,
+                 late_rescue: bool = True) -> Placement | None:
     """A decode worker to prefill a stalled remote prompt; None: none can take it now (by
     the same rules as a new placement, the prefill tier left out).
 
@@ -209,12 +210,14 @@ def move_stalled(num_prompt_tokens: int, kv_tokens: int, decode: list[DecodeLoad
     could meet, yet waiting on helps no one: it holds the tier's queue budget, so longer
     prompts behind it wait in the gateway, and its caller waits on. It moves to a decode
     worker that takes it within its running requests' slack (`rescue_long`: their
-    objectives are kept by the same rule as any rescue). Seen in the long benchmark: a
+    objectives are kept by the same rule as any rescue), unless ``late_rescue`` is False:
+    the dispatcher keeps that slack for prompts that can still meet their objectives when
+    any wait for it. Seen in the long benchmark: a
     663-token prompt starved on the tier beside a busy decode engine reached its first token
     after 17.4 s (objective 4.05 s); colocated vLLM prefills such a prompt in about 0.6 s."""
     placement = place(num_prompt_tokens, kv_tokens, [], decode, cfg, remote_open=False, ttft_budget_s=ttft_budget_s,
                       rescue_rate=rescue_rate)
-    if placement is None and ttft_budget_s is not None and ttft_budget_s <= 0:
+    if placement is None and late_rescue and ttft_budget_s is not None and ttft_budget_s <= 0:
         return rescue_long(num_prompt_tokens, kv_tokens, decode, cfg, rescue_rate)
     return placement
 

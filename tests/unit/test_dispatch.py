@@ -379,3 +379,24 @@ def test_a_rescue_the_older_prompt_cannot_take_in_time_goes_to_the_newer_one():
         return asked.is_set(), placed.placement.where, placed.placement.predicted_ttft_s, p0.queued_tokens
 
     assert run(scenario()) == (True, Where.LOCAL, pytest.approx(0.8), 800)
+
+
+def test_a_prompt_past_its_objective_on_the_tier_moves_within_slack_only_while_nothing_waits():
+    async def scenario():
+        d, pool, clock = dispatcher(prefill_queue_tokens=800)
+        p0 = measured_prefill(pool, 10_000)  # 1,000 tok/s alone
+        old = ticket("old", 800, ttft=3.0)
+        assert (await d.acquire(old)).placement.where is Where.REMOTE
+        clock.now = 103.5  # past its objective: no rescue can meet it
+        # A prompt queued behind the full tier (too long for a rescue) waits: the decode
+        # worker's slack is kept for the prompts that can still meet their objectives.
+        waiting = asyncio.create_task(d.acquire(ticket("waiting", 5000, arrival=103.5, ttft=30.0)))
+        await asyncio.sleep(0)
+        assert not waiting.done()
+        kept = d.move_stalled(p0, old, waited_s=3.5)
+        waiting.cancel()
+        await asyncio.gather(waiting, return_exceptions=True)
+        moved = d.move_stalled(p0, old, waited_s=3.5)  # nothing waits now
+        return kept, moved.placement.where, (p0.queued_tokens, p0.num_prefills)
+
+    assert run(scenario()) == (None, Where.LOCAL, (0, 0))

@@ -258,6 +258,7 @@ def test_a_long_prompt_already_past_its_objective_moves_within_slack_never_beyon
     assert move_stalled(1200, 1300, [slack], CFG, ttft_budget_s=-3.0) is None  # a 1.2 s stall: beyond slack
     assert move_stalled(5000, 5100, [decode(running=2, tps=1000.0, slack=99.0)], CFG, ttft_budget_s=-3.0) is None
     assert move_stalled(800, 900, [slack], CFG) is None  # no objective: nothing says it is late
+    assert move_stalled(800, 900, [slack], CFG, ttft_budget_s=-3.0, late_rescue=False) is None  # others wait
 
 
 def test_a_measured_local_latency_counts_the_fixed_part_once_for_prompts_batched_together():

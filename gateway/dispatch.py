@@ -301,13 +301,13 @@ class Dispatcher:
             retry_after_s)))
 
     def _place(self, ticket: Ticket, now: float, remote_open: bool) -> Placement | None:
+        tier = self._workers.routable("prefill")
+        decode = [w.decode_load(now) for w in self._workers.routable("decode")]
+        if not tier:  # no prefix to match, no tier load to read
+            return place_without_tier(ticket.num_prompt_tokens, ticket.num_prompt_tokens + ticket.max_tokens, decode)
         matched = self._prefix_index().matched_tokens(self._prefix_keys(ticket))
         contended = self._decode_busy()
-        prefill = [w.prefill_load(now, matched.get(w.address, 0), contended)
-                   for w in self._workers.routable("prefill")]
-        decode = [w.decode_load(now) for w in self._workers.routable("decode")]
-        if not prefill:
-            return place_without_tier(ticket.num_prompt_tokens, ticket.num_prompt_tokens + ticket.max_tokens, decode)
+        prefill = [w.prefill_load(now, matched.get(w.address, 0), contended) for w in tier]
         budget = None if ticket.ttft_slo_s is None else ticket.arrival_s + ticket.ttft_slo_s - now
         return place(ticket.num_prompt_tokens, ticket.num_prompt_tokens + ticket.max_tokens,
                      prefill, decode, self._placement, remote_open, budget if self._admission else None,

@@ -59,13 +59,14 @@ class ClassObserver(PrometheusObserver):
     """One request's observer: the vLLM-named metrics, the same by class, and on finishing
     whether the request met its objectives (pdserve_slo_requests_total)."""
 
-    __slots__ = ("label", "ttft_slo_s", "tpot_slo_s", "ttft_s")
+    __slots__ = ("label", "ttft_slo_s", "tpot_slo_s", "ttft_s", "_itl")
 
     def __init__(self, label: str, ttft_slo_s: float | None, tpot_slo_s: float | None) -> None:
         self.label = label
         self.ttft_slo_s = ttft_slo_s
         self.tpot_slo_s = tpot_slo_s
         self.ttft_s: float | None = None
+        self._itl = metrics.CLASS_ITL.labels(label)  # once per stream, not per message
 
     def first_token(self, job: Job, ttft_s: float) -> None:
         super().first_token(job, ttft_s)
@@ -74,9 +75,9 @@ class ClassObserver(PrometheusObserver):
 
     def tokens(self, job: Job, num_tokens: int, gap_s: float) -> None:
         super().tokens(job, num_tokens, gap_s)
-        itl = metrics.CLASS_ITL.labels(self.label)
+        per_token = gap_s / num_tokens
         for _ in range(num_tokens):
-            itl.observe(gap_s / num_tokens)
+            self._itl.observe(per_token)
 
     def finished(self, job: Job, e2e_s: float, num_prompt_tokens: int, num_generated: int) -> None:
         super().finished(job, e2e_s, num_prompt_tokens, num_generated)

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from gateway import metrics
 from gateway.admission import Forecast, Reason, Refusal, decide, predict_ttft_s, remaining_tokens
 from gateway.placement import (Placement, PlacementConfig, PrefixIndex, Where, move_stalled, pick_decode, place,
-                               place_without_tier, rescue_long, stalled_after_s)
+                               place_without_tier, rescue_long, soonest_local_ttft_s, stalled_after_s)
 from gateway.queue import Priority, QueueFull, RequestQueue, Ticket
 from gateway.workers import Seat, Worker, WorkerPool
 from pdserve import rpc
@@ -396,8 +396,15 @@ class Dispatcher:
         self.pump()
 
     def stalled_after_s(self, ticket: Ticket, placement: Placement) -> float | None:
-        """How long its remote prefill may go unanswered before `move_stalled` is tried."""
-        return stalled_after_s(ticket.num_prompt_tokens, placement.predicted_ttft_s, self._placement)
+        """How long its remote prefill may go unanswered before `move_stalled` is tried
+        (sooner for a short prompt whose objective a decode worker could still meet)."""
+        now = self._clock()
+        budget = local = None
+        if self._admission and ticket.ttft_slo_s is not None:
+            budget = ticket.arrival_s + ticket.ttft_slo_s - now
+            local = soonest_local_ttft_s(ticket.num_prompt_tokens, ticket.num_prompt_tokens + ticket.max_tokens,
+                                         [w.decode_load(now) for w in self._workers.routable("decode")])
+        return stalled_after_s(ticket.num_prompt_tokens, placement.predicted_ttft_s, self._placement, budget, local)
 
     def move_stalled(self, worker: Worker, ticket: Ticket, waited_s: float, offered: bool = False) -> Grant | None:
         """A local place (with its seat) for a ticket whose prefill on ``worker`` has not

@@ -178,6 +178,11 @@ async def _serve(cfg: WorkerConfig, add_servicer: AddServicer, background) -> No
 
     engine_load = EngineLoad()
     engine = _start_engine(cfg, [load_logger_factory(engine_load)])
+    # As vLLM's engine processes do once started: its settings are read from the environment
+    # at each use otherwise, one read per generated token in its stat logger here.
+    from vllm import envs as vllm_envs
+
+    vllm_envs.enable_envs_cache()
     inflight = InflightInterceptor()
     server = grpc.aio.server(options=rpc.CHANNEL_OPTIONS, interceptors=[inflight])
     service_name, info = add_servicer(server, engine, cfg, inflight)

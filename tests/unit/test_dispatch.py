@@ -294,6 +294,24 @@ def test_fifo_never_refuses_a_queued_request_on_its_objective():
 
     assert run(scenario()) == (False, 1)
 
+def test_a_short_prompt_on_the_tier_is_moved_while_a_decode_worker_can_still_meet_its_objective():
+    async def scenario():
+        d, pool, clock = dispatcher(ttft=0.49)
+        measured_prefill(pool, 4000, contended=True)  # 400 tok/s beside decode
+        d0 = pool.by_address("d0")
+        d0.seats.add(d._seat(ticket("running", 10)))  # decode busy, no slack known: remote
+        for tokens, seconds in ((100, 0.13), (200, 0.16), (300, 0.19)):  # 0.1 s + 0.3 ms/token
+            d0.local_latency.observe(tokens, seconds, clock.now)
+        t = ticket("interactive", 100, ttft=0.49, arrival=clock.now)
+        grant = await d.acquire(t)
+        assert grant.placement.where is Where.REMOTE and grant.placement.predicted_ttft_s == pytest.approx(0.25)
+        # 0.49 s to its objective, a first token 0.13 s after reaching d0: moved at 0.36 s,
+        # before twice its prediction (0.5 s).
+        return d.stalled_after_s(t, grant.placement)
+
+    assert run(scenario()) == pytest.approx(0.36)
+
+
 def test_a_stalled_remote_prefill_is_moved_to_a_decode_worker_and_the_tier_sees_the_slowdown():
     async def scenario():
         d, pool, clock = dispatcher()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -19,6 +20,7 @@ from gateway.placement import (
     place,
     place_without_tier,
     rescue_long,
+    soonest_local_ttft_s,
     stalled_after_s,
 )
 
@@ -220,6 +222,22 @@ def test_a_remote_prefill_is_stalled_after_twice_its_prediction_and_never_past_t
     assert stalled_after_s(257, 0.5, no_rescue) is None
 
 
+def test_a_short_prompt_moves_while_a_decode_worker_can_still_meet_its_objective():
+    # 0.49 s to its objective, 0.2 s to a first token on a decode worker: moved at 0.29 s,
+    # not at twice the predicted 0.3 s.
+    assert stalled_after_s(236, 0.3, CFG, ttft_budget_s=0.49, local_ttft_s=0.2) == pytest.approx(0.29)
+    # Twice the prediction comes first: unchanged.
+    assert stalled_after_s(236, 0.1, CFG, ttft_budget_s=2.0, local_ttft_s=0.2) == pytest.approx(0.25)
+    assert stalled_after_s(236, 0.2, CFG, ttft_budget_s=2.0, local_ttft_s=0.2) == pytest.approx(0.4)
+    # Never before stall_min_s, even when the objective is already out of reach.
+    assert stalled_after_s(236, 0.3, CFG, ttft_budget_s=0.3, local_ttft_s=0.2) == pytest.approx(0.25)
+    # No objective, or no measured local time: twice the prediction.
+    assert stalled_after_s(236, 0.3, CFG, ttft_budget_s=None, local_ttft_s=0.2) == pytest.approx(0.6)
+    assert stalled_after_s(236, 0.3, CFG, ttft_budget_s=0.49, local_ttft_s=None) == pytest.approx(0.6)
+    # A prompt over the local limit moves only as a rescue: its budget does not hurry it.
+    assert stalled_after_s(1000, 3.0, CFG, ttft_budget_s=4.0, local_ttft_s=1.0) == pytest.approx(6.0)
+
+
 def test_a_stalled_prompt_moves_to_the_decode_worker_that_takes_it_soonest():
     busy = decode("d0", running=3, local_tokens=100, tps=100.0, slack=5.0)
     free = decode("d1", running=1, tps=100.0, slack=5.0)
@@ -280,3 +298,11 @@ def test_with_no_prefill_tier_a_decode_worker_prefills_any_prompt_even_beyond_it
     full = decode("d1", running=1, kv_used=9_000)
     assert place_without_tier(3000, 3100, [full]) is None  # no KV room anywhere: it waits
     assert place_without_tier(3000, 3100, [decode("d2", running=1, tps=None)]).predicted_ttft_s is None
+
+
+def test_the_soonest_local_first_token_comes_from_measured_fits_of_workers_with_a_seat():
+    fitted = replace(decode("d0", local_tokens=100), local_ttft_fit=(0.1, 0.001))  # 0.1 + 0.001 * (100 + 50)
+    faster_full = replace(decode("d1", running=64), local_ttft_fit=(0.01, 0.0))  # no seat
+    rate_only = decode("d2", tps=1000.0)  # a rate bound, not a measured time
+    assert soonest_local_ttft_s(50, 100, [fitted, faster_full, rate_only]) == pytest.approx(0.25)
+    assert soonest_local_ttft_s(50, 100, [faster_full, rate_only]) is None

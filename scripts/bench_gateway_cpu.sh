@@ -19,6 +19,10 @@
 # shared DecodeStream call (`shared`, the default); OUT_DIR/{per-request,shared}.json.
 # Each run also reports the decode worker's front-end process (gRPC and vLLM's AsyncLLM,
 # not its engine's processes) per token.
+# Environment: STREAMS (64), REQUESTS (128) and LOAD (the lengths: "--input-len-range 16:32
+# --output-len-range 128:128") set the load; REPEATS=N (1) alternates the two sides N times
+# (before, after, before, after, ...), each run named NAME-i, for drift to show as spread.
+#   STREAMS=4 REQUESTS=100 LOAD="--workload short" REPEATS=2 scripts/bench_gateway_cpu.sh REV OUT
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mode=revisions
@@ -50,8 +54,9 @@ measure() {  # name, source tree, extra `pdserve up` arguments
   local cpu0 dcpu0
   cpu0=$(gateway_tree_cpu $up)
   dcpu0=$(decode_front_cpu $up)
-  PYTHONPATH="$root" $py -m pdserve.cli bench run --target "127.0.0.1:$port" --concurrency 64 \
-      --num-requests 128 --warmup 0 --input-len-range 16:32 --output-len-range 128:128 \
+  # shellcheck disable=SC2086 # LOAD is a list of arguments
+  PYTHONPATH="$root" $py -m pdserve.cli bench run --target "127.0.0.1:$port" --concurrency "${STREAMS:-64}" \
+      --num-requests "${REQUESTS:-128}" --warmup 0 ${LOAD:---input-len-range 16:32 --output-len-range 128:128} \
       --gateway-metrics "127.0.0.1:$mport" --json "$out/$name.json" >&2 || true
   echo "$(gateway_tree_cpu $up) - $cpu0" | bc > "$out/$name.tree_cpu_s"
   echo "$(decode_front_cpu $up) - $dcpu0" | bc > "$out/$name.decode_cpu_s"
@@ -77,21 +82,33 @@ print(worker.cpu_times().user + worker.cpu_times().system)
 PY
 }
 
+repeats=${REPEATS:-1}
+names=
+pair() {  # name1 tree1 args1 -- name2 tree2 args2, alternated $repeats times
+  local i suffix
+  for i in $(seq "$repeats"); do
+    suffix=$([[ $repeats == 1 ]] && echo "" || echo "-$i")
+    names="$names $1$suffix $2$suffix"
+    "measure_$1" "$1$suffix"
+    "measure_$2" "$2$suffix"
+  done
+}
 if [[ $mode == decode-stream ]]; then
-  names="per-request shared"
-  measure per-request "$root" --decode-stream per-request
-  measure shared "$root" --decode-stream shared
+  measure_per-request() { measure "$1" "$root" --decode-stream per-request; }
+  measure_shared() { measure "$1" "$root" --decode-stream shared; }
+  pair per-request shared
 elif [[ $mode == intervals ]]; then
-  names="interval1 interval4"
-  measure interval1 "$root"
-  measure interval4 "$root" --stream-intervals 4,4,8
+  measure_interval1() { measure "$1" "$root"; }
+  measure_interval4() { measure "$1" "$root" --stream-intervals 4,4,8; }
+  pair interval1 interval4
 else
-  names="before after"
   tree=$(mktemp -d /tmp/pdserve-before.XXXXXX)
   git worktree add -q --detach "$tree" "$before_rev"
-  measure before "$tree"
-  measure after "$root"
+  measure_before() { measure "$1" "$tree"; }
+  measure_after() { measure "$1" "$root"; }
+  pair before after
 fi
+# shellcheck disable=SC2086 # names is a list
 $py - "$out" $names <<'PY'
 import json, sys, pathlib
 out = pathlib.Path(sys.argv[1])
@@ -105,5 +122,6 @@ for name in sys.argv[2:]:
           f"({tree_s:.1f} s / {tokens} tokens, process tree); /metrics says "
           f"{json.dumps(run.get('gateway_cpu'))}; decode worker's front end "
           + ("-" if decode_s is None else f"{decode_s / tokens * 1e6:.0f} us per token ({decode_s:.1f} s)")
-          + f"; output {run['summary']['output_tok_s']:.1f} tok/s")
+          + f"; output {run['summary']['output_tok_s']:.1f} tok/s"
+          + f", TPOT mean {run['summary']['tpot_s']['mean'] * 1000:.1f} ms")
 PY

@@ -2,8 +2,12 @@
 supervised: a worker (or the gateway) that dies is restarted with backoff and rejoins; the
 stack stops only when asked (SIGTERM / Ctrl-C).
 
-Each child runs in its own session (process group), so stopping it also stops the vLLM
-engine-core process it spawned: SIGTERM to the group, then SIGKILL after a grace period.
+Stopping is graceful: SIGTERM to each child process alone, so that the gateway stops taking
+calls and finishes those in flight while each worker drains its requests on an engine that
+still runs, then stops it (SIGTERM to a worker's whole process group reached its engine's
+processes too, which stopped at once and failed every request in flight with
+EngineDeadError). Each child runs in its own session (process group): after a grace period
+SIGKILL goes to the group and to every descendant that outlived its worker.
 The children print ``READY host:port`` on stdout when serving; their output is forwarded to
 our stderr, so stdout carries only our own ``ready`` line.
 """
@@ -102,7 +106,14 @@ class Child:
                 print(f"pdserve: removed {len(removed)} shared-memory segments {self.name}'s killed processes "
                       f"left in /dev/shm", file=sys.stderr, flush=True)
 
+    def terminate(self) -> None:
+        """SIGTERM to the child alone: it stops what it started itself, in order."""
+        if self.proc is not None:
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.send_signal(signal.SIGTERM)
+
     def signal(self, sig: int) -> None:
+        """``sig`` to the child's process group."""
         if self.proc is not None:
             try:
                 os.killpg(self.proc.pid, sig)
@@ -196,7 +207,7 @@ class Stack:
         descendants = [p for child in self.children for p in _descendants(child)]
         for child in self.children:
             child.record_segments(time.monotonic(), force=True)
-            child.signal(signal.SIGTERM)
+            child.terminate()
         deadline = time.monotonic() + STOP_GRACE_S
         for child in self.children:
             if child.proc is None:
@@ -214,11 +225,11 @@ class Stack:
             except psutil.NoSuchProcess:
                 pass
         psutil.wait_procs(descendants, timeout=5)
-        # What a worker killed before it could clean up left behind: its metrics directory,
-        # its engine's shared-memory segments.
-        from pdserve.worker import sweep_orphan_metrics_dirs
+        # What a worker killed before it could clean up left behind: its temporary
+        # directories, its engine's shared-memory segments.
+        from pdserve import tempdirs
 
-        sweep_orphan_metrics_dirs()
+        tempdirs.sweep_orphans()
         for child in self.children:
             child.sweep_segments()
         if self.core_share_file is not None:

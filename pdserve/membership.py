@@ -135,6 +135,7 @@ class Membership:
         self._drain = drain  # set when the gateway asks this worker to drain
         self._interval_s = 1.0
         self._wake = asyncio.Event()
+        self._failing = False  # the last heartbeat failed
         self.draining = False
 
     async def run(self) -> None:
@@ -152,9 +153,16 @@ class Membership:
                 if e.code() == grpc.StatusCode.NOT_FOUND:
                     logger.info("gateway %s does not know this worker; registering again", self._gateway)
                     await self._register()
-                else:
-                    logger.warning("heartbeat to gateway %s failed: %s", self._gateway, e.details())
+                elif not self._failing:
+                    # Once per outage, not once per beat; a stopping stack's gateway may go first.
+                    self._failing = True
+                    logger.log(logging.INFO if self.draining else logging.WARNING,
+                               "heartbeats to gateway %s failing: %s; retrying every %.1f s", self._gateway,
+                               e.details(), self._interval_s)
                 continue
+            if self._failing:
+                self._failing = False
+                logger.info("heartbeats to gateway %s go through again", self._gateway)
             if reply.drain and not self._drain.is_set():
                 logger.info("gateway %s asked this worker to drain", self._gateway)
                 self._drain.set()
@@ -170,7 +178,10 @@ class Membership:
                                         timeout=RPC_TIMEOUT_S)
             logger.info("deregistered from gateway %s", self._gateway)
         except grpc.aio.AioRpcError as e:
-            logger.warning("deregistering from gateway %s failed: %s", self._gateway, e.details())
+            # A gateway that is gone (a stack stopping as a whole) has nothing to forget;
+            # one that is up takes this worker out when its heartbeats stop.
+            logger.log(logging.INFO if e.code() == grpc.StatusCode.UNAVAILABLE else logging.WARNING,
+                       "not deregistered from gateway %s: %s", self._gateway, e.details())
         await self._channel.close()
 
     async def _register(self) -> None:

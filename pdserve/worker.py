@@ -6,8 +6,9 @@ metrics stay in this process's memory) -> vLLM engine -> gRPC server with health
 reflection -> prints ``READY host:port`` -> registers with its gateway if given one
 (pdserve/membership.py) -> serves until SIGTERM/SIGINT or the gateway asks it to drain ->
 out of rotation and NOT_SERVING, in-flight requests finish (up to --drain-grace-s),
-deregisters, stops the engine -> removes the metrics directory and any KV cache its engine
-left in /dev/shm (also when stopped at any point of its start-up). A gateway that refuses
+deregisters, stops the engine -> removes its temporary directories (pdserve/tempdirs.py:
+the metrics directory, the engine's sockets and files) and any KV cache its engine left in
+/dev/shm (also when stopped at any point of its start-up). A gateway that refuses
 it (incompatible with its tier) stops it with exit code 3.
 """
 
@@ -19,17 +20,16 @@ import logging
 import os
 import signal
 import sys
-import tempfile
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
+from pdserve import tempdirs
 from pdserve.config import WorkerConfig
 from pdserve.logs import setup_logging
 
 logger = logging.getLogger(__name__)
 
-METRICS_DIR_PREFIX = "pdserve-metrics-"
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 # How long a stopping worker waits for its engine's processes to exit before it removes the
 # KV cache they left in /dev/shm (`pdserve up` kills what is left 15 s after SIGTERM).
@@ -46,9 +46,9 @@ def run_worker(cfg: WorkerConfig, add_servicer: AddServicer, background: Callabl
     cfg = resolve_kv_ports(cfg)
     setup_logging(f"{cfg.role}[{cfg.worker_id}]", json_logs=cfg.json_logs)
     _exit_on_stop_signals()
-    swept = sweep_orphan_metrics_dirs()
+    swept = tempdirs.sweep_orphans()
     if swept:
-        logger.info("removed %d metrics directories of killed workers: %s", len(swept), swept)
+        logger.info("removed %d temporary directories of killed workers: %s", len(swept), swept)
     with worker_files(cfg.worker_id):
         import uvloop
 
@@ -78,9 +78,10 @@ def _ignore_stop_signals() -> None:
 @contextlib.contextmanager
 def worker_files(worker_id: str) -> Iterator[str]:
     """A fresh PROMETHEUS_MULTIPROC_DIR for the engine processes this process spawns (they
-    inherit it, and our KV transfer metrics, recorded there, write to it); on the way out,
-    however start-up or serving ended, it is removed, and so is the KV cache in /dev/shm of
-    an engine that did not remove it.
+    inherit it, and our KV transfer metrics, recorded there, write to it) and a fresh
+    directory for the engine's sockets and temporary files (`tempdirs.engine_dir`); on the
+    way out, however start-up or serving ended, both are removed, and so is the KV cache
+    in /dev/shm of an engine that did not remove it.
 
     This process keeps its own metric values in memory: vLLM's stat logger records its
     engine metrics here at every engine step, and a file-backed value costs a pid check, an
@@ -94,11 +95,13 @@ def worker_files(worker_id: str) -> Iterator[str]:
     # knows it, so none leaves it behind.
     signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     try:
-        metrics_dir = tempfile.TemporaryDirectory(prefix=f"{METRICS_DIR_PREFIX}{worker_id}-{os.getpid()}-")
+        metrics_dir = tempdirs.metrics_dir(worker_id)
+        engine_dir = tempdirs.engine_dir()
     finally:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
     try:
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir.name
+        tempdirs.use_engine_dir(engine_dir.name)
         # In memory here whatever the environment said when prometheus_client was imported.
         values.ValueClass = values.MutexValue
         yield metrics_dir.name
@@ -106,30 +109,7 @@ def worker_files(worker_id: str) -> Iterator[str]:
         _ignore_stop_signals()
         _remove_orphan_kv_cache(worker_id)
         metrics_dir.cleanup()
-
-
-def sweep_orphan_metrics_dirs(tmp: str | None = None) -> list[str]:
-    """Removes the metrics directories of workers that died without cleaning up (SIGKILL):
-    their names carry the worker's pid. Run by a starting worker and by `pdserve up`."""
-    import shutil
-    from pathlib import Path
-
-    import psutil
-
-    removed = []
-    for path in Path(tmp or tempfile.gettempdir()).glob(f"{METRICS_DIR_PREFIX}*-*-*"):
-        parts = path.name[len(METRICS_DIR_PREFIX):].split("-")
-        if len(parts) < 3 or not parts[1].isdigit():
-            continue
-        pid = int(parts[1])
-        try:
-            alive = psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-        except psutil.NoSuchProcess:
-            alive = False
-        if not alive:
-            shutil.rmtree(path, ignore_errors=True)
-            removed.append(path.name)
-    return removed
+        engine_dir.cleanup()
 
 
 def _remove_orphan_kv_cache(worker_id: str) -> None:
@@ -219,13 +199,29 @@ async def _serve(cfg: WorkerConfig, add_servicer: AddServicer, background) -> No
     await server.stop(1.0)
     for task in tasks:
         task.cancel()
-    engine.shutdown()
+    _stop_engine(engine)
     logger.info("stopped")
     sys.stdout.flush()
     if refused:
         raise SystemExit(3)
     if died.is_set():
         raise SystemExit(4)
+
+
+def _stop_engine(engine) -> None:
+    """Stops the engine once its requests are done. vLLM's own shutdown alone (SIGTERM to
+    its engine core, which then waits for its model worker) took 5 s in a stack on this
+    project's machine and ended in SIGKILL: the model worker frees its KV cache and runs a
+    full garbage collection on its way out (py-spy), beside the other engine, the prefill
+    engine at idle CPU priority. Nothing in that process is left to save, so it is killed
+    first; the engine core then stops at once and in order."""
+    import psutil
+
+    for proc in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            if proc.name() == "VLLM::Worker":
+                proc.kill()
+    engine.shutdown()
 
 
 # How often a worker checks that its engine is alive.

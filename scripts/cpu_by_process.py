@@ -120,7 +120,7 @@ def vllm_server(port: int) -> tuple[ServerSpec, list[str]]:
             "--port", str(port), "--host", "127.0.0.1"]
     spec = ServerSpec("vllm", argv, {"VLLM_CPU_KVCACHE_SPACE": "2",
                                      "VLLM_CPU_OMP_THREADS_BIND": "0-1"},
-                      health_url=f"http://127.0.0.1:{port}/health")
+                      health_url=f"http://127.0.0.1:{port}/health", engine_dir=True)
     return spec, ["--backend", "openai", "--base-url", f"http://127.0.0.1:{port}"]
 
 

@@ -237,7 +237,7 @@ def vllm_spec(cfg: CompareConfig, port: int) -> ServerSpec:
     env = {"VLLM_CPU_KVCACHE_SPACE": str(cfg.vllm_kv_cache_gib),
            "VLLM_CPU_OMP_THREADS_BIND": cfg.vllm_cpus, **idle_env(cfg)}
     return ServerSpec("vllm", argv, env, health_url=f"http://127.0.0.1:{port}/health",
-                      boot_timeout_s=cfg.boot_timeout_s)
+                      boot_timeout_s=cfg.boot_timeout_s, engine_dir=True)
 
 
 def bench_config_for(cfg: CompareConfig, system: str, address: str) -> BenchConfig:

@@ -41,6 +41,9 @@ class ServerSpec:
     grpc_health_target: str | None = None
     boot_timeout_s: float = 600.0
     stop_grace_s: float = 30.0
+    # A vLLM server: it runs with its own temporary directory (pdserve/tempdirs.py), removed
+    # when it stops, for the socket files vLLM leaves behind.
+    engine_dir: bool = False
 
     def __post_init__(self) -> None:
         if (self.ready_pattern is None) == (self.health_url is None):
@@ -105,6 +108,7 @@ class ServerProcess:
         self._ready = threading.Event()
         self._tail: deque[str] = deque(maxlen=30)
         self._pump_thread: threading.Thread | None = None
+        self._engine_dir = None
 
     def __enter__(self) -> ServerProcess:
         self.start()
@@ -121,8 +125,14 @@ class ServerProcess:
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._started = time.monotonic()
+        env = {**os.environ, **self.spec.env}
+        if self.spec.engine_dir:
+            from pdserve import tempdirs
+
+            self._engine_dir = tempdirs.engine_dir()
+            env |= tempdirs.engine_env(self._engine_dir.name)
         self._proc = subprocess.Popen(
-            self.spec.argv, env={**os.environ, **self.spec.env}, stdin=subprocess.DEVNULL,
+            self.spec.argv, env=env, stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
             start_new_session=True)
         self._pump_thread = threading.Thread(target=self._pump, daemon=True)
@@ -246,6 +256,9 @@ class ServerProcess:
         while any(_alive(p) for p in survivors) and time.monotonic() < deadline:
             time.sleep(0.1)
         held.sweep()  # those a survivor still holds (a zombie holds none) stay
+        if self._engine_dir is not None:
+            self._engine_dir.cleanup()
+            self._engine_dir = None
         if self._pump_thread is not None:
             self._pump_thread.join(timeout=5)
         self._proc = None

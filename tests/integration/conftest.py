@@ -21,6 +21,7 @@ import grpc
 import psutil
 import pytest
 
+from pdserve import tempdirs
 from pdserve.launcher import core_split, free_port, free_port_block
 from pdserve.prom import sample_sum
 from pdserve.model import resolve_model
@@ -110,11 +111,13 @@ def references(model_path, identity_prompts, transport_prompts, tmp_path_factory
     # gives the same arithmetic.
     cores, _ = core_split("shared")
     env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": cores, "VLLM_CPU_KVCACHE_SPACE": "1"}
-    subprocess.run(
-        [sys.executable, str(ROOT / "tests/integration/colocated.py"), model_path, str(prompts),
-         str(IDENTITY_MAX_TOKENS), str(out)],
-        env=env, check=True, timeout=REFERENCE_TIMEOUT_S, stdout=subprocess.DEVNULL,
-    )
+    with tempdirs.engine_dir() as engine_dir:  # for the socket files vLLM leaves behind
+        subprocess.run(
+            [sys.executable, str(ROOT / "tests/integration/colocated.py"), model_path, str(prompts),
+             str(IDENTITY_MAX_TOKENS), str(out)],
+            env=env | tempdirs.engine_env(engine_dir), check=True, timeout=REFERENCE_TIMEOUT_S,
+            stdout=subprocess.DEVNULL,
+        )
     return {tuple(p): o for p, o in zip(all_prompts, json.loads(out.read_text()), strict=True)}
 
 

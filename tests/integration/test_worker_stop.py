@@ -1,30 +1,53 @@
-"""A worker, or `pdserve up`, stopped at any point of its start-up leaves no temp directory
-and no /dev/shm file behind.
+"""A worker, or `pdserve up`, stopped at any point of its start-up leaves no temporary file
+and no /dev/shm file behind; `pdserve up` stopped while it serves finishes the requests in
+flight first.
 
 Each worker case starts a prefill worker (the tier that places its KV cache in /dev/shm)
 with its own TMPDIR, waits for one stage of start-up to be visible, and stops it as `pdserve
-up` stops a child: SIGTERM to its process group, SIGKILL after the launcher's grace period.
-The stack case presses Ctrl-C (SIGINT) on `pdserve up` while its engines start.
+up` stops a child: SIGTERM to it, SIGKILL to its process group after the launcher's grace
+period. The stack cases press Ctrl-C (SIGINT) on `pdserve up` while its engines start, and
+while it streams an answer.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import uuid
 from pathlib import Path
 
+import grpc
 import psutil
 import pytest
 
 from pdserve.launcher import STOP_GRACE_S, free_port, free_port_block
-from pdserve.worker import METRICS_DIR_PREFIX
+from pdserve.tempdirs import METRICS_DIR_PREFIX
+from protos import generation_pb2, generation_pb2_grpc
 
 STAGE_TIMEOUT_S = 300
+
+
+@pytest.fixture
+def short_tmp():
+    """A TMPDIR short enough for the engine's socket paths (pytest's tmp_path is not: the
+    engine's directory would go to /tmp instead, out of the test's sight)."""
+    path = Path(tempfile.mkdtemp(prefix="pdt", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _left_in(tmp: Path) -> list[str]:
+    """What is in ``tmp`` but torch's compile cache (made by importing vLLM, before a worker
+    has its own directories; a cache, kept on purpose)."""
+    return sorted(p.name for p in tmp.iterdir() if not p.name.startswith("torchinductor_"))
 
 
 def _shm_files(worker_id: str) -> list[Path]:
@@ -42,7 +65,8 @@ STAGES = {
 
 
 @pytest.mark.parametrize("stage", list(STAGES))
-def test_a_worker_stopped_during_start_up_leaves_no_temp_files(model_path, tmp_path, stage):
+def test_a_worker_stopped_during_start_up_leaves_no_temp_files(model_path, short_tmp, stage):
+    tmp_path = short_tmp
     worker_id = "stop" + uuid.uuid4().hex[:8]
     proc = subprocess.Popen(
         [sys.executable, "-m", "pdserve.cli", "prefill", "--port", "0", "--cpus", "0", "--kv-cache-gib", "1",
@@ -63,21 +87,30 @@ def test_a_worker_stopped_during_start_up_leaves_no_temp_files(model_path, tmp_p
             time.sleep(0.05)
         group += group[0].children(recursive=True)
         stopped = time.monotonic()
-        os.killpg(proc.pid, signal.SIGTERM)
-        _, alive = psutil.wait_procs(group, timeout=STOP_GRACE_S)
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(STOP_GRACE_S)
+        except subprocess.TimeoutExpired:
+            pass
+        with contextlib.suppress(ProcessLookupError):  # as the launcher does once its child exited
+            os.killpg(proc.pid, signal.SIGKILL)
+        _, alive = psutil.wait_procs(group, timeout=5)
         took = time.monotonic() - stopped
         print(f"{stage}: {len(group)} processes stopped in {took:.1f} s")
-        assert not alive, f"still running {STOP_GRACE_S:.0f} s after SIGTERM (the launcher would SIGKILL them): {alive}"
+        assert proc.returncode is not None and took < STOP_GRACE_S, (
+            f"the worker still ran {STOP_GRACE_S:.0f} s after SIGTERM (the launcher killed it)")
+        assert not alive, f"still running after SIGKILL: {alive}"
     finally:
         for p in group:
             if p.is_running():
                 p.kill()
         proc.wait(30)
-    assert list(tmp_path.glob("pdserve-*")) == [], "".join(log[-20:])
+    assert _left_in(tmp_path) == [], "".join(log[-20:])
     assert _shm_files(worker_id) == [], "".join(log[-20:])
 
 
-def test_pdserve_up_stopped_by_ctrl_c_during_start_up_leaves_no_temp_files(model_path, tmp_path):
+def test_pdserve_up_stopped_by_ctrl_c_during_start_up_leaves_no_temp_files(model_path, short_tmp):
+    tmp_path = short_tmp
     metrics_port = free_port_block(3)
     proc = subprocess.Popen(
         [sys.executable, "-m", "pdserve.cli", "up", "--port", str(free_port()), "--metrics-port", str(metrics_port),
@@ -113,5 +146,59 @@ def test_pdserve_up_stopped_by_ctrl_c_during_start_up_leaves_no_temp_files(model
         if proc.poll() is None:
             proc.kill()
         proc.wait(30)
-    assert list(tmp_path.glob("pdserve-*")) == [], "".join(log[-20:])
+    assert _left_in(tmp_path) == [], "".join(log[-20:])
     assert [p for wid in worker_ids for p in _shm_files(wid)] == [], "".join(log[-20:])
+
+
+# pdserve's own warnings and errors (vLLM's logs read "(EngineCore pid=...) WARNING ...").
+OWN_WARNING = re.compile(r" (WARNING|ERROR) (pdserve|gateway|kvtransfer|prefill_worker|decode_worker)[.\w]*: ")
+
+
+def test_pdserve_up_stopped_while_it_streams_finishes_the_answer_first(model_path, short_tmp):
+    """Ctrl-C with an answer half streamed: the gateway takes no new call and the decode
+    worker drains on a running engine, so the answer arrives whole; then everything stops,
+    says nothing alarming, and leaves no file behind. (SIGTERM to each worker's process
+    group reached its engine, which stopped at once: the answer failed with UNAVAILABLE,
+    "EngineDeadError".)"""
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pdserve.cli", "up", "--port", str(port), "--metrics-port", "0",
+         "--kv-cache-gib", "1", "--model", model_path],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", "TMPDIR": str(short_tmp)},
+    )
+    log: list[str] = []
+    ready = threading.Event()
+
+    def pump() -> None:
+        for line in proc.stdout:
+            log.append(line)
+            if line.startswith("pdserve ready"):
+                ready.set()
+
+    threading.Thread(target=pump, daemon=True).start()
+    got: list[int] = []
+    try:
+        assert ready.wait(STAGE_TIMEOUT_S), "".join(log[-30:])
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = generation_pb2_grpc.GenerationStub(channel)
+            request = generation_pb2.GenerateRequest(
+                token_ids=list(range(100, 140)),
+                sampling=generation_pb2.SamplingParams(max_tokens=120, ignore_eos=True, temperature=0.0))
+            stopped = None
+            for reply in stub.Generate(request, timeout=120):
+                got.extend(reply.token_ids)
+                if stopped is None and len(got) >= 10:
+                    stopped = time.monotonic()
+                    stopped_at = len(log)
+                    proc.send_signal(signal.SIGINT)
+        assert len(got) == 120, f"{len(got)} of 120 tokens:\n" + "".join(log[-30:])
+        assert proc.wait(STOP_GRACE_S + 15) == 0
+        print(f"answer whole; pdserve up stopped {time.monotonic() - stopped:.1f} s after Ctrl-C")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+    alarming = [line for line in log[stopped_at:] if OWN_WARNING.search(line)]
+    assert alarming == [], "".join(alarming)
+    assert _left_in(short_tmp) == [], "".join(log[-20:])

@@ -216,6 +216,21 @@ def test_a_server_killed_at_stop_leaves_no_shared_memory_segment(tmp_path):
             os.unlink(f"/dev/shm/{name}")
 
 
+def test_a_server_given_an_engine_directory_leaves_none_of_its_files(tmp_path):
+    # As vLLM does: a socket file in VLLM_RPC_BASE_PATH, a file in TMPDIR, neither removed.
+    script = ("import os, socket, tempfile, time\n"
+              "s = socket.socket(socket.AF_UNIX); s.bind(os.environ['VLLM_RPC_BASE_PATH'] + '/sock')\n"
+              "open(tempfile.gettempdir() + '/store', 'w').close()\n"
+              "print('ready', tempfile.gettempdir(), flush=True); time.sleep(600)\n")
+    spec = ServerSpec("fake", [sys.executable, "-c", script], ready_pattern=r"^ready ", stop_grace_s=1,
+                      engine_dir=True)
+    with ServerProcess(spec, tmp_path / "fake.log") as server:
+        where = server.tail().split()[-1]
+        assert os.path.basename(where).startswith("pdserve-engine-")
+        assert sorted(os.listdir(where)) == ["sock", "store"]
+    assert not os.path.exists(where)
+
+
 # A bench command holding a server, as `pdserve bench compare` does while it measures.
 HOLDER = textwrap.dedent("""
     import asyncio, sys

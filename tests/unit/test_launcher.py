@@ -94,21 +94,6 @@ def test_on_a_gpu_machine_each_tier_gets_its_gpu(monkeypatch):
     assert all("--cpus" not in c.argv and "--sched" not in c.argv for c in (prefill, decode))
 
 
-def test_metrics_directories_of_dead_workers_are_swept(tmp_path):
-    import subprocess
-
-    from pdserve.worker import sweep_orphan_metrics_dirs
-
-    dead = subprocess.Popen([sys.executable, "-c", "pass"])
-    dead.wait()
-    (tmp_path / f"pdserve-metrics-w1-{dead.pid}-abc").mkdir()
-    (tmp_path / f"pdserve-metrics-w2-{os.getpid()}-abc").mkdir()  # alive: kept
-    (tmp_path / "pdserve-metrics-old-abc").mkdir()  # no pid in the name: not ours to judge
-    assert sweep_orphan_metrics_dirs(str(tmp_path)) == [f"pdserve-metrics-w1-{dead.pid}-abc"]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["pdserve-metrics-old-abc",
-                                                          f"pdserve-metrics-w2-{os.getpid()}-abc"]
-
-
 class BrokenStderr:
     """Our stderr after whoever started `pdserve up` exited: every write fails."""
 

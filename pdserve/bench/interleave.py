@@ -2,7 +2,8 @@
 
 All systems are booted first and stay up; the first one's unloaded run sets the SLOs and
 the search (`compare.calibrate_on`); then each system in turn (vLLM, pdserve-fifo,
-pdserve) measures its search's next rate while the others wait frozen (SIGSTOP,
+pdserve, then the reverse, round after round) measures its search's next rate while the
+others wait frozen (SIGSTOP,
 `--idle-systems freeze`, the default; an idle pdserve stack took 4-8% of a core beside
 vLLM's turns, an idle vLLM 1-2% beside pdserve's), so a machine whose speed drifts over
 minutes slows both sides of the ratio alike and no system's idle polling slows another.
@@ -202,14 +203,20 @@ async def measure_interleaved(cfg: CompareConfig,
 
 
 async def alternate(lanes: list[Lane], out: CompareResult) -> None:
-    """Turns in `lanes`' order until every search is over (or out of its share)."""
+    """Rounds of turns until every search is over (or out of its share): in `lanes`' order,
+    then the reverse, and so on (A B, B A, A B ...), so that no system always measures
+    first in a round: on this machine a minute can decode 25% slower than the next
+    (docs/benchmarks.md, "Sixteenth session"), and an ABBA order cancels a steady drift
+    between two rounds."""
+    order = lanes
     while not all(lane.done for lane in lanes):
         progressed = False
-        for lane in lanes:
+        for lane in order:
             if not lane.done and await take_turn(lane, lanes, out):
                 progressed = True
         if not progressed:
             break
+        order = order[::-1]
     for lane in lanes:
         assert lane.search is not None
         lane.result.search = lane.search.outcome()

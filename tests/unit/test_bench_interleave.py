@@ -76,8 +76,10 @@ def alternate_on_fake_clock(monkeypatch, attainment, search, shares_s: dict[str,
 
 def test_interleaved_systems_take_turns_and_pdserve_follows_fifo_to_its_policy_rate(
         monkeypatch):
-    """The turn order with measurements faked: each system's next rate in turn; pdserve
-    measures fifo's first interactive miss (2 req/s) and its search reuses it."""
+    """The turn order with measurements faked: each system's next rate in turn, rounds in
+    the lanes' order and then in reverse; pdserve measures fifo's first interactive miss
+    (2 req/s: pdserve measured it on its own search's turn just before) and its search
+    reuses it."""
     from pdserve.bench.search import SearchConfig
 
     capacity = {"vllm": 3.0, "pdserve-fifo": 2.0, "pdserve": 3.0}  # meets below these
@@ -88,9 +90,9 @@ def test_interleaved_systems_take_turns_and_pdserve_follows_fifo_to_its_policy_r
         dict.fromkeys(("vllm", "pdserve-fifo", "pdserve"), 1e6))
     assert out.measured_in_order == [
         ("vllm", 1.0), ("pdserve-fifo", 1.0), ("pdserve", 1.0),
-        ("vllm", 2.0), ("pdserve-fifo", 2.0), ("pdserve", 2.0),  # 2.0 is also fifo's miss
+        ("pdserve", 2.0), ("pdserve-fifo", 2.0), ("vllm", 2.0),  # 2.0 is also fifo's miss
         ("vllm", 4.0), ("pdserve-fifo", 1.41), ("pdserve", 4.0),
-        ("vllm", 2.83), ("pdserve", 2.83)]
+        ("pdserve", 2.83), ("vllm", 2.83)]
     assert out.systems["pdserve"].search.goodput_rps == out.systems["vllm"].search.goodput_rps
     assert out.systems["pdserve-fifo"].search.bracket[1].rate_rps == 2.0
     assert all(lane.done for lane in lanes)
@@ -98,7 +100,8 @@ def test_interleaved_systems_take_turns_and_pdserve_follows_fifo_to_its_policy_r
 
 def test_systems_not_measuring_are_frozen_and_each_is_thawed_for_its_own_turn(monkeypatch):
     """`--idle-systems freeze`: before each measurement every other system is frozen (once)
-    and the one measuring thawed; nothing is thawed twice or measured frozen."""
+    and the one measuring thawed; nothing is thawed twice or measured frozen. pdserve ends
+    the first round and starts the second (reversed): two turns, one thaw."""
     from pdserve.bench.search import SearchConfig
 
     capacity = {"vllm": 1.5, "pdserve": 3.0}
@@ -111,8 +114,8 @@ def test_systems_not_measuring_are_frozen_and_each_is_thawed_for_its_own_turn(mo
     assert events == [
         ("freeze", "pdserve"), ("measure", "vllm", 1.0),
         ("freeze", "vllm"), ("thaw", "pdserve"), ("measure", "pdserve", 1.0),
-        ("freeze", "pdserve"), ("thaw", "vllm"), ("measure", "vllm", 2.0),
-        ("freeze", "vllm"), ("thaw", "pdserve"), ("measure", "pdserve", 2.0)]
+        ("measure", "pdserve", 2.0),
+        ("freeze", "pdserve"), ("thaw", "vllm"), ("measure", "vllm", 2.0)]
 
 
 def test_interleaved_budget_share_stops_a_search_and_others_time_is_not_charged(monkeypatch):
@@ -123,8 +126,8 @@ def test_interleaved_budget_share_stops_a_search_and_others_time_is_not_charged(
     search = SearchConfig(start_rps=1.0, floor_rps=0.5, max_up_steps=3)
     out, _ = alternate_on_fake_clock(monkeypatch, lambda system, rate: 1.0, search,
                                      {"vllm": 70.0, "pdserve": 1e6})
-    assert out.measured_in_order == [("vllm", 1.0), ("pdserve", 1.0), ("vllm", 2.0),
-                                     ("pdserve", 2.0), ("pdserve", 4.0), ("pdserve", 8.0)]
+    assert out.measured_in_order == [("vllm", 1.0), ("pdserve", 1.0), ("pdserve", 2.0),
+                                     ("vllm", 2.0), ("pdserve", 4.0), ("pdserve", 8.0)]
     assert out.systems["vllm"].stopped_by_budget and not out.systems["pdserve"].stopped_by_budget
     assert out.systems["pdserve"].search.status.value == "above_ceiling"
 
@@ -144,12 +147,12 @@ def pdserve_missing_its_start(monkeypatch, vllm_share_s: float):
 
 def test_a_search_going_down_borrows_its_next_rate_from_the_others_shares(monkeypatch):
     """pdserve misses at 1 req/s; its floor, 0.5 req/s, costs 82 s on the fake clock and
-    its 100 s share has 58 left: it takes the other 24 s from vLLM's unspent share (136 s
+    its 100 s share has 58 left: it takes the other 24 s from vLLM's unspent share (158 s
     left then) and brackets its goodput, where it used to stop "unbracketed". vLLM, going
-    up, then has 112 s: enough for 4 req/s."""
+    up, then has 134 s: enough for 2 and 4 req/s."""
     out, lanes = pdserve_missing_its_start(monkeypatch, vllm_share_s=200.0)
-    assert out.measured_in_order == [("vllm", 1.0), ("pdserve", 1.0), ("vllm", 2.0),
-                                     ("pdserve", 0.5), ("vllm", 4.0)]
+    assert out.measured_in_order == [("vllm", 1.0), ("pdserve", 1.0), ("pdserve", 0.5),
+                                     ("vllm", 2.0), ("vllm", 4.0)]
     pd = out.systems["pdserve"]
     assert not pd.stopped_by_budget and pd.search.status.value == "found"
     assert [p.rate_rps for p in pd.search.bracket] == [0.5, 1.0]
@@ -168,8 +171,8 @@ def test_a_search_going_down_stops_when_the_others_cannot_lend_enough(monkeypatc
 
 def test_interleaved_policy_rate_out_of_time_is_skipped_and_the_search_goes_on(monkeypatch):
     """fifo misses at 1 and at its floor 0.5 req/s; pdserve's share has no room for 0.5 (82
-    s on the fake clock) after its own 1.0, so it skips that policy rate and still climbs
-    from the 1.0 it measured as fifo's first miss."""
+    s on the fake clock) after its own 1.0 and 2.0, so it skips that policy rate and still
+    climbs from the 1.0 it measured as fifo's first miss."""
     from pdserve.bench.search import SearchConfig
 
     capacity = {"pdserve-fifo": 0.1, "pdserve": 10.0}
@@ -178,7 +181,7 @@ def test_interleaved_policy_rate_out_of_time_is_skipped_and_the_search_goes_on(m
         monkeypatch, lambda system, rate: 1.0 if rate < capacity[system] else 0.5, search,
         {"pdserve-fifo": 1e6, "pdserve": 100.0})
     assert out.measured_in_order == [("pdserve-fifo", 1.0), ("pdserve", 1.0),
-                                     ("pdserve-fifo", 0.5), ("pdserve", 2.0), ("pdserve", 4.0)]
+                                     ("pdserve", 2.0), ("pdserve-fifo", 0.5), ("pdserve", 4.0)]
     pd = out.systems["pdserve"]
     assert pd.skipped_rates == [0.5] and not pd.stopped_by_budget
     assert pd.search.status.value == "above_ceiling" and pd.search.bound_rps == 4.0
@@ -238,11 +241,11 @@ def test_interleaved_compare_falls_back_to_one_system_at_a_time_when_the_rest_wo
 
     result, events, _ = measure_with(3)
     assert result.mode == "interleaved" and result.mode_reason is None
-    # pdserve frozen for fifo's unloaded run and first rate, then each thawed for its turn.
+    # pdserve frozen for fifo's unloaded run and first rate, then each thawed for its turn;
+    # pdserve's two turns (end of round one, start of round two) come back to back.
     assert events == [("start", "pdserve-fifo"), ("start", "pdserve"),
                       ("freeze", "pdserve"), ("freeze", "pdserve-fifo"), ("thaw", "pdserve"),
                       ("freeze", "pdserve"), ("thaw", "pdserve-fifo"),
-                      ("freeze", "pdserve-fifo"), ("thaw", "pdserve"),
                       ("stop", "pdserve"), ("stop", "pdserve-fifo")]
 
     result, events, cfg = measure_with(5)

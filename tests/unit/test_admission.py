@@ -171,6 +171,18 @@ def test_tpot_refusal_needs_the_best_case_forecast_to_miss():
     assert "token 110 ms exceeds the request's objective of 90 ms" in alike.message
 
 
+def test_a_refusal_never_prints_the_forecast_equal_to_the_objective():
+    # Seen in the short benchmark: "at best 49 ms exceeds the request's objective of 49 ms".
+    tpot = decide(Forecast(None, 0.0560, tpot_best_s=0.04921), ttft_slo_s=None, tpot_slo_s=0.04910)
+    assert "token 56 ms (at best 49.2 ms) exceeds the request's objective of 49.1 ms" in tpot.message
+    alike = decide(Forecast(None, 0.04921), ttft_slo_s=None, tpot_slo_s=0.04910)
+    assert "token 49.2 ms exceeds the request's objective of 49.1 ms" in alike.message
+    ttft = decide(Forecast(0.2112, None), ttft_slo_s=0.2061, tpot_slo_s=None)
+    assert "first token 0.211 s exceeds the request's objective of 0.206 s" in ttft.message
+    apart = decide(Forecast(0.2512, None), ttft_slo_s=0.2061, tpot_slo_s=None)
+    assert "first token 0.25 s exceeds the request's objective of 0.21 s" in apart.message
+
+
 def test_ratio_quantile_is_the_lower_neighbour_of_recent_ratios():
     from gateway.admission import RatioMeter
 

@@ -24,6 +24,9 @@ if [ "$SYSTEM" = vllm ]; then
   # VLLM_KV=1: with pdserve's KV connector in the decode role, as pdserve's decode engine has it.
   KV=()
   [ "${VLLM_KV:-0}" = 1 ] && KV=(--kv-transfer-config '{"kv_connector": "PdConnector", "kv_connector_module_path": "kvtransfer.connector", "kv_role": "kv_consumer", "kv_connector_extra_config": {"transports": ["shm"], "producer_id": "probe", "kv_timeout_s": 10, "kv_lease_s": 30}}')
+  # Its own temporary directory for the socket files vLLM leaves behind (pdserve/tempdirs.py).
+  ENGINE_TMP=$(mktemp -d /tmp/pdserve-engine-$$-XXXXXXXX); trap 'rm -rf "$ENGINE_TMP"' EXIT
+  TMPDIR=$ENGINE_TMP VLLM_RPC_BASE_PATH=$ENGINE_TMP \
   PYTHONPATH=$PWD VLLM_CPU_KVCACHE_SPACE=2 VLLM_CPU_OMP_THREADS_BIND=0-1 python -m vllm.entrypoints.openai.api_server \
     --model $MODEL --dtype $DTYPE --block-size 32 --max-model-len 4096 --enforce-eager \
     --enable-prefix-caching --port $PORT --host 127.0.0.1 "${KV[@]}" > $LOG 2>&1 &

@@ -6,10 +6,9 @@ when it stops, and swept by the next one when it was killed.
 - the engine directory (``pdserve-engine-PID-*``): TMPDIR and VLLM_RPC_BASE_PATH of a vLLM
   engine's processes. vLLM binds its ZMQ sockets as files in VLLM_RPC_BASE_PATH (the temp
   directory by default), writes its torch.distributed file store to the temp directory,
-  and removes neither when it stops: measured on this project's machine, a decode worker
-  stopped with SIGTERM (to itself or to its process group) left 7 socket files, `pdserve
-  up` stopped with Ctrl-C 14, and /tmp held about 2,400 after three days of tests and
-  benchmarks.
+  and removes neither when it stops: a prefill worker stopped with SIGTERM once serving left
+  7 socket files in its TMPDIR (tests/integration/test_worker_stop.py, "serving", run with
+  6da4347's worker.py), and every engine start of the tests and benchmarks added its own.
 
 Both names carry the owner's pid: `sweep_orphans` removes those whose owner is gone.
 """
@@ -47,7 +46,7 @@ def engine_dir() -> tempfile.TemporaryDirectory:
     return tempfile.TemporaryDirectory(prefix=prefix, dir=engine_dir_parent(tempfile.gettempdir(), prefix))
 
 
-def engine_dir_parent(tmp: str, prefix: str = f"{ENGINE_DIR_PREFIX}4194304-") -> str:
+def engine_dir_parent(tmp: str, prefix: str) -> str:
     path_len = len(os.fsencode(tmp)) + 1 + len(prefix) + _RANDOM_LEN + VLLM_SOCKET_NAME_LEN
     return tmp if path_len <= UNIX_SOCKET_PATH_MAX else SHORT_TMP
 

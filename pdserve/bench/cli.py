@@ -209,6 +209,10 @@ def _add_search_args(p: argparse.ArgumentParser) -> None:
                    help="whole compare's time budget; a rate that would not fit is skipped")
     g.add_argument("--calibration-requests", type=int, default=8,
                    help="unloaded requests per class that set the SLOs (sent one at a time)")
+    g.add_argument("--min-duration-s", type=float, default=60.0,
+                   help="each rate is measured with --num-requests or as many requests as "
+                        "arrive in this many seconds, whichever is more (0: always "
+                        "--num-requests)")
 
 
 # ---------------------------------------------------------------- config -----------------
@@ -278,7 +282,8 @@ def compare_config(args: argparse.Namespace, model: Path) -> CompareConfig:
         plan=plan, log_dir=args.log_dir, vllm_cpus=args.vllm_cpus,
         vllm_kv_cache_gib=args.vllm_kv_cache_gib, pdserve_target=args.pdserve_target,
         vllm_url=args.vllm_url, boot_timeout_s=args.boot_timeout_s,
-        sequential=args.sequential, freeze_idle=args.idle_systems == "freeze")
+        sequential=args.sequential, freeze_idle=args.idle_systems == "freeze",
+        min_duration_s=args.min_duration_s)
 
 
 def _write_json(doc: dict, where: str) -> None:

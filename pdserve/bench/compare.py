@@ -15,8 +15,9 @@ a machine that cannot hold all of them).
    `calibration`) and the search's start rate (1 / unloaded mean E2E) and floor (start /
    factor). Flags override any of them.
 3. The goodput search (`search.RateSearch`), one per system: each measured rate is
-   `num_requests` Poisson arrivals of the same seeded lengths and schedule, so both systems
-   face identical requests at a rate; token ids are fresh per rate (no prefix-cache hits
+   `num_requests` Poisson arrivals, or as many as arrive in `min_duration_s` when that is
+   more (`requests_at`), of the same seeded lengths and schedule, so both systems face
+   identical requests at a rate; token ids are fresh per rate (no prefix-cache hits
    across rates). pdserve's requests carry their class priority and their class's SLO.
 4. Extra rates: pdserve (policy slo) is also measured where pdserve-fifo's interactive
    attainment first fell below 90%, so the two policies compare at the same rate
@@ -26,7 +27,7 @@ a machine that cannot hold all of them).
 Time: the whole compare has `budget_s`. Each system gets an equal share of what is left
 after the calibration (sequential: of what is left when it starts); a measurement is
 started only if its estimated time, (n - 1) / rate plus twice the unloaded E2E for the
-drain, fits in the system's share. A search cut short still reports a value when it has a
+drain (n: the requests at that rate), fits in the system's share. A search cut short still reports a value when it has a
 bracket (with fewer bisections).
 """
 
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import math
 import os
 import sys
 import time
@@ -56,6 +58,12 @@ from pdserve.bench.servers import ServerError, ServerProcess, ServerSpec, free_p
 # with `--decode-yield whole`, for an interleaved A/B of that mode against the default.
 SYSTEMS = ("vllm", "pdserve-fifo", "pdserve", "pdserve-whole")
 DEFAULT_NUM_REQUESTS = 40
+# Each measured rate lasts at least this long (more requests than `num_requests` at high
+# rates): this machine's speed moves by a quarter in phases of tens of seconds, and 40
+# short requests at 5-10 req/s arrived in 4-8 s, so one measurement sat in one phase. In
+# the sixteenth session three short compares of the same code read 0.50x, 0.996x and
+# <= 0.52x; vLLM's attainment at 5 req/s was 65% in one and 100% at 5.4 in the next.
+DEFAULT_MIN_DURATION_S = 60.0
 DEFAULT_CALIBRATION_REQUESTS = 8
 # 38 of the 40 minutes one workload may take: room for a measurement that runs over its
 # estimate (an overloaded rate drains at the system's capacity, not at the offered rate)
@@ -115,8 +123,13 @@ class CompareConfig:
     sequential: bool = False
     # Interleaved: stop (SIGSTOP) the systems not measuring; False: leave them idle.
     freeze_idle: bool = True
+    # Arrivals of each measured rate span at least this long (`requests_at`).
+    min_duration_s: float = DEFAULT_MIN_DURATION_S
 
     def __post_init__(self) -> None:
+        if self.min_duration_s < 0:
+            raise ValueError(f"minimum duration per rate must be >= 0 s, got "
+                             f"{self.min_duration_s}")
         unknown = set(self.systems) - set(SYSTEMS)
         if unknown or not self.systems:
             raise ValueError(f"systems {','.join(self.systems)}: want some of "
@@ -277,9 +290,17 @@ async def unloaded_run(backend, bench: BenchConfig, num_per_class: int) -> list[
     return records
 
 
-async def measure(backend, bench: BenchConfig, system: str, rate: float) -> RunResult:
+def requests_at(num_requests: int, rate: float, min_duration_s: float) -> int:
+    """Requests measured at ``rate``: ``num_requests``, or as many as arrive in
+    ``min_duration_s`` on average when that is more. Every system measures the same number
+    at a rate, so they still face identical requests."""
+    return max(num_requests, math.ceil(rate * min_duration_s - 1e-9))
+
+
+async def measure(backend, bench: BenchConfig, system: str, rate: float,
+                  num_requests: int) -> RunResult:
     load = LoadConfig(rate_rps=rate, burstiness=bench.burstiness,
-                      num_requests=bench.num_requests, seed=bench.seed)
+                      num_requests=num_requests, seed=bench.seed)
     run = await run_load(backend, bench, load, f"{rate:g}-", rate_content_seed(bench.seed, rate))
     s = run.summary
     ttft = "-" if s.ttft_s is None else f"{s.ttft_s.p50:.2f}"
@@ -299,13 +320,19 @@ async def calibrate_on(cfg: CompareConfig, system: str, backend, bench: BenchCon
 
 
 class Budget:
-    """The time a system may still use: its share of the compare's budget."""
+    """The time a system may still use: its share of the compare's budget, and how many
+    requests a rate is measured with (`requests_at`)."""
 
-    def __init__(self, end_s: float, num_requests: int, unloaded_e2e_s: float) -> None:
+    def __init__(self, end_s: float, num_requests: int, unloaded_e2e_s: float,
+                 min_duration_s: float = 0.0) -> None:
         self.end_s, self._n, self._drain_s = end_s, num_requests, 2 * unloaded_e2e_s
+        self._min_duration_s = min_duration_s
+
+    def requests(self, rate: float) -> int:
+        return requests_at(self._n, rate, self._min_duration_s)
 
     def cost_s(self, rate: float) -> float:
-        return (self._n - 1) / rate + self._drain_s
+        return (self.requests(rate) - 1) / rate + self._drain_s
 
     def fits(self, rate: float, reserve_s: float = 0.0) -> bool:
         return time.monotonic() + self.cost_s(rate) <= self.end_s - reserve_s
@@ -326,7 +353,8 @@ async def measure_system(cfg: CompareConfig, system: str, address: str, out: Com
     assert out.search is not None
     bench = dataclasses.replace(bench, slo=out.calibration.slos())
     budget = Budget(share_end_s, bench.num_requests or 0,
-                    out.calibration.mean_e2e_s(class_weights(bench.workload)))
+                    out.calibration.mean_e2e_s(class_weights(bench.workload)),
+                    cfg.min_duration_s)
     extras = extra_rates(system, out)
     reserve_s = sum(budget.cost_s(r) for r in extras)
     async with make_backend(bench) as backend:
@@ -339,7 +367,7 @@ async def measure_system(cfg: CompareConfig, system: str, address: str, out: Com
                 log(f"{system}: {rate:g} req/s would take about {budget.cost_s(rate):.0f} s, "
                     f"{budget.left_s() - reserve_s:.0f} s left: search stopped")
                 break
-            run = await measure(backend, bench, system, rate)
+            run = await measure(backend, bench, system, rate, budget.requests(rate))
             result.runs.append(run)
             out.measured_in_order.append((system, rate))
             search.record(rate, run.summary.slo_attainment)
@@ -348,7 +376,8 @@ async def measure_system(cfg: CompareConfig, system: str, address: str, out: Com
         measured = {r.load.rate_rps for r in result.runs}
         for rate in (r for r in extras if r not in measured):
             if budget.fits(rate):
-                result.runs.append(await measure(backend, bench, system, rate))
+                result.runs.append(await measure(backend, bench, system, rate,
+                                                 budget.requests(rate)))
                 out.measured_in_order.append((system, rate))
             else:
                 result.skipped_rates.append(rate)

@@ -230,7 +230,9 @@ def compare_dict(cfg: CompareConfig, result: CompareResult) -> dict:
     out["config"] = {
         "model": str(cfg.model), "workload_name": cfg.workload_name,
         "workload": jsonable(dataclasses.asdict(bench.workload)),
-        "num_requests_per_rate": bench.num_requests, "burstiness": bench.burstiness,
+        "num_requests_per_rate": bench.num_requests, "min_duration_s": cfg.min_duration_s,
+        "requests_at_a_rate": "max(num_requests_per_rate, ceil(rate x min_duration_s))",
+        "burstiness": bench.burstiness,
         "warmup": bench.warmup, "seed": bench.seed,
         "sampling": dataclasses.asdict(bench.sampling),
         "calibration_requests_per_class": cfg.plan.calibration_requests,

@@ -198,7 +198,7 @@ async def measure_interleaved(cfg: CompareConfig,
             lane.bench = dataclasses.replace(lane.bench, slo=out.calibration.slos())
             lane.search = RateSearch(out.search)
             lane.budget = Budget(time.monotonic() + share_s, cfg.bench.num_requests or 0,
-                                 out.calibration.mean_e2e_s(weights))
+                                 out.calibration.mean_e2e_s(weights), cfg.min_duration_s)
         await alternate(lanes, out)
 
 
@@ -276,7 +276,7 @@ async def take_turn(lane: Lane, lanes: list[Lane], out: CompareResult) -> bool:
     await take_the_machine(lane, lanes)
     cpu_before = {x.name: tree_cpu_s(x.pid) for x in others}
     measuring = time.monotonic()
-    run = await measure(lane.backend, lane.bench, lane.name, rate)
+    run = await measure(lane.backend, lane.bench, lane.name, rate, lane.budget.requests(rate))
     ended = time.monotonic()
     took = ended - started  # the thaw's too: this system's time, not the others'
     idle = {x.name: round((tree_cpu_s(x.pid) - cpu_before[x.name]) / (ended - measuring), 4)

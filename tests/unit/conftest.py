@@ -48,4 +48,4 @@ def fake_compare_config(tmp_path, target: str, systems=("pdserve",)) -> CompareC
                         slo=SLO(10.0, 1.0))
     return CompareConfig(bench=bench, model=tmp_path, systems=systems, pdserve_target=target,
                          plan=SearchPlan(max_up_steps=1, calibration_requests=2, budget_s=60),
-                         log_dir=tmp_path / "logs")
+                         log_dir=tmp_path / "logs", min_duration_s=0.0)

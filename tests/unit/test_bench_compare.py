@@ -11,6 +11,7 @@ import pytest
 from pdserve.bench import cli
 from pdserve.bench.calibration import Calibration, Unloaded
 from pdserve.bench.compare import (
+    DEFAULT_MIN_DURATION_S,
     Budget,
     CompareConfig,
     CompareResult,
@@ -19,6 +20,7 @@ from pdserve.bench.compare import (
     describe_routes,
     extra_rates,
     rate_content_seed,
+    requests_at,
 )
 from pdserve.bench.compare_report import compare_dict, detail_dict, format_compare, policy_rate
 from pdserve.bench.loadgen import LoadConfig
@@ -175,6 +177,34 @@ def test_budget_estimates_a_rate_from_its_arrivals_and_drain():
     assert not budget.fits(0.4)  # 100 + 10 s
 
 
+def test_a_rate_is_measured_for_at_least_its_minimum_duration():
+    assert requests_at(40, 0.5, 60.0) == 40  # 40 requests span 80 s already
+    assert requests_at(40, 5.16, 60.0) == 310  # 309.6 arrive in 60 s
+    assert requests_at(40, 1.0, 60.0) == 60
+    assert requests_at(40, 10.3, 0.0) == 40
+    budget = Budget(time.monotonic() + 100.0, num_requests=40, unloaded_e2e_s=1.0,
+                    min_duration_s=60.0)
+    assert budget.requests(5.0) == 300
+    assert budget.cost_s(5.0) == pytest.approx(299 / 5.0 + 2.0)
+    assert budget.cost_s(0.5) == pytest.approx(39 / 0.5 + 2.0)
+
+
+@pytest.mark.parametrize("driver", ["interleaved", "sequential"])
+def test_both_drivers_measure_a_rate_with_the_requests_its_minimum_duration_asks(
+        tmp_path, fake_pdserve, driver):
+    from pdserve.bench.compare import run_sequential
+    from pdserve.bench.interleave import run_interleaved
+
+    target, received = fake_pdserve
+    cfg = fake_compare_config(tmp_path, target)
+    cfg = dataclasses.replace(cfg, min_duration_s=2.5, plan=dataclasses.replace(
+        cfg.plan, start_rps=2.0, floor_rps=1.0, max_up_steps=0))
+    result = (run_interleaved if driver == "interleaved" else run_sequential)(cfg)
+    (run,) = result.systems["pdserve"].runs
+    assert (run.load.rate_rps, run.load.num_requests, run.summary.num_requests) == (2.0, 5, 5)
+    assert len(received) == 1 + 2 + 5  # warmup, unloaded, 2.0 req/s for 2.5 s
+
+
 def test_every_system_gets_the_same_prompts_at_a_rate():
     assert rate_content_seed(0, 0.25) == rate_content_seed(0, 0.25)
     assert len({rate_content_seed(0, r) for r in (0.25, 0.251, 0.5)}
@@ -193,6 +223,7 @@ def test_cli_compare_without_flags_is_the_short_preset(tmp_path):
     assert cfg.bench.workload == preset_workload("short")
     assert cfg.bench.num_requests == 40 and cfg.bench.slo == SLO()
     assert cfg.plan == SearchPlan(budget_s=38 * 60.0)
+    assert cfg.min_duration_s == DEFAULT_MIN_DURATION_S == 60.0
 
 
 def test_cli_compare_mixed_runs_three_systems_fifo_before_slo(tmp_path):

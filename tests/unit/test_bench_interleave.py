@@ -48,10 +48,10 @@ def alternate_on_fake_clock(monkeypatch, attainment, search, shares_s: dict[str,
 
     now = [1000.0]
 
-    async def fake_measure(backend, bench, system, rate):
+    async def fake_measure(backend, bench, system, rate, num_requests):
         if events is not None:
             events.append(("measure", system, rate))
-        now[0] += 40 / rate + 2.0
+        now[0] += (num_requests - 1) / rate + 2.0
         att = attainment(system, rate)
         summary = SimpleNamespace(slo_attainment=att,
                                   by_class={"interactive": SimpleNamespace(slo_attainment=att)})

@@ -264,6 +264,23 @@ def test_a_stalled_prompt_stays_when_no_decode_worker_can_take_it():
     assert (p.where, p.worker) == (Where.LOCAL, "d0")
 
 
+def test_a_short_prompt_already_past_its_objective_moves_beyond_slack_whoever_waits():
+    """On the tier beside a decode engine with no slack it would wait for the batch to
+    drain (seen: 13 s); on a decode worker it costs one step a short prompt."""
+    no_slack = decode(running=3, tps=100.0, slack=0.0)
+    for late_rescue in (True, False):
+        p = move_stalled(40, 80, [no_slack], CFG, ttft_budget_s=-0.1, late_rescue=late_rescue)
+        assert (p.where, p.worker, p.predicted_ttft_s) == (Where.LOCAL, "d0", pytest.approx(0.4))
+    assert move_stalled(40, 80, [no_slack], CFG, ttft_budget_s=0.0).where is Where.LOCAL
+    assert move_stalled(40, 80, [no_slack], CFG, ttft_budget_s=0.1) is None  # a budget it would miss
+    assert move_stalled(40, 80, [no_slack], CFG) is None  # no objective: nothing says it is late
+    assert move_stalled(40, 80, [decode(running=64, max_seqs=64, slack=0.0)], CFG, ttft_budget_s=-0.1) is None
+    # The decode worker that would give the first token soonest.
+    p = move_stalled(40, 80, [no_slack, decode("d1", running=5, local_tokens=200, tps=100.0, slack=0.0)], CFG,
+                     ttft_budget_s=-1.0)
+    assert p.worker == "d0"
+
+
 def test_a_long_prompt_already_past_its_objective_moves_within_slack_never_beyond():
     """No budget is left to meet, so the rescue's budget test cannot pass; within the running
     requests' slack it moves all the same (the tier and the caller wait no longer), and

@@ -302,3 +302,55 @@ def test_engine_waits_sleep_between_looks_instead_of_spinning(monkeypatch):
     shm_broadcast.SpinCondition.wait(reader, timeout_ms=7)
     assert polled == [7] and yielded == [] and len(slept) == 1
 
+
+
+def test_an_engine_wait_spins_at_most_its_bound_then_sleeps_on_the_notification(monkeypatch):
+    """vLLM's SpinCondition spins for a second after each read; bounded, one wait spins
+    (vLLM's own look) for at most PDSERVE_ENGINE_SPIN_S from its first look, then polls the
+    notification socket, and a read starts the count again."""
+    from vllm.distributed.device_communicators import shm_broadcast
+
+    from kvtransfer import coreshare
+
+    condition = shm_broadcast.SpinCondition
+    looks = []
+    monkeypatch.setattr(condition, "wait", lambda self, timeout_ms=None: looks.append(timeout_ms))
+    monkeypatch.setattr(condition, "_pdserve_spin_s", None, raising=False)
+    monkeypatch.setenv(coreshare.ENV_ENGINE_SPIN_S, "1")
+    assert coreshare.bound_engine_spin() is None  # vLLM's second
+    monkeypatch.setenv(coreshare.ENV_ENGINE_SPIN_S, "x")
+    assert coreshare.bound_engine_spin() is None
+    monkeypatch.delenv(coreshare.ENV_ENGINE_SPIN_S)
+    assert coreshare.bound_engine_spin() == coreshare.ENGINE_SPIN_S == 0.2  # the default
+    assert coreshare.bound_engine_spin() == 0.2  # once
+
+    now = [100.05]
+    monkeypatch.setattr(coreshare, "time", SimpleNamespace(monotonic=lambda: now[0]))
+    polled, received = [], []
+    class Socket:  # hashable, as zmq's: the poll's events are a dict by socket
+        def recv(self, flags, copy):
+            received.append(flags)
+
+    notify = Socket()
+    events = []
+    reader = SimpleNamespace(busy_loop_s=1.0, last_read=100.0, local_notify_socket=notify,
+                             poller=SimpleNamespace(poll=lambda timeout: polled.append(timeout) or events))
+
+    def wait_at(t):
+        now[0] = t
+        condition.wait(reader, timeout_ms=7)
+
+    wait_at(100.05)  # first look of this wait
+    wait_at(100.24)  # within 0.2 s of it: still vLLM's look
+    assert looks == [7, 7] and polled == []
+    wait_at(100.26)
+    assert looks == [7, 7] and polled == [7] and received == []
+    events.append((notify, 1))
+    wait_at(100.30)
+    assert polled == [7, 7] and len(received) == 1  # the notification is taken off
+    reader.last_read = 100.31  # a message was read: the next wait counts afresh
+    wait_at(100.40)
+    wait_at(100.59)
+    assert looks == [7, 7, 7, 7] and len(polled) == 2
+    wait_at(100.61)
+    assert len(polled) == 3 and len(looks) == 4

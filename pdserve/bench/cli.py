@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pdserve.bench.backends import SamplingConfig
-from pdserve.bench.metrics import SLO
+from pdserve.bench.metrics import SLO, SLOTable
 from pdserve.bench.presets import PRESET_NAMES, preset_workload
 from pdserve.bench.runner import BenchConfig
 from pdserve.bench.workload import (
@@ -99,6 +99,28 @@ def _floats(text: str) -> list[float]:
         raise argparse.ArgumentTypeError(f"want comma-separated numbers, got {text!r}") from e
 
 
+def _class_slos(text: str) -> dict[str, SLO]:
+    """``interactive=0.4:0.04,offline=3:`` -> {"interactive": SLO(0.4, 0.04), "offline": SLO(3.0, None)}."""
+    out: dict[str, SLO] = {}
+    for item in (x.strip() for x in text.split(",") if x.strip()):
+        name, eq, objectives = item.partition("=")
+        ttft, colon, tpot = objectives.partition(":")
+        try:
+            if not (name.strip() and eq and colon):
+                raise ValueError
+            slo = SLO(float(ttft) if ttft.strip() else None, float(tpot) if tpot.strip() else None)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{item!r}: want CLASS=TTFT_S:TPOT_S in seconds, e.g. interactive=0.4:0.04 "
+                "(either side may be empty)") from None
+        if any(v is not None and v <= 0 for v in (slo.ttft_s, slo.tpot_s)):
+            raise argparse.ArgumentTypeError(f"{item!r}: objectives must be > 0 s")
+        out[name.strip()] = slo
+    if not out:
+        raise argparse.ArgumentTypeError("want at least one CLASS=TTFT_S:TPOT_S")
+    return out
+
+
 def _length_range(text: str) -> LengthRange:
     try:
         return LengthRange.parse(text)
@@ -136,6 +158,11 @@ def _add_load_args(p: argparse.ArgumentParser, rates_default: str | None,
     g.add_argument("--seed", type=int, default=0, help="same seed -> same workload")
     g.add_argument("--slo-ttft-s", type=float, help="SLO on time to first token (s)")
     g.add_argument("--slo-tpot-s", type=float, help="SLO on time per output token (s)")
+    if open_loop:
+        g.add_argument("--class-slo", type=_class_slos, metavar="CLASS=TTFT_S:TPOT_S,...",
+                       help="per request class, the SLO it carries and is judged by (e.g. "
+                            "interactive=0.4:0.04,offline=3:0.045; a side left empty has none); "
+                            "other classes get --slo-ttft-s/--slo-tpot-s")
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
                    help="let requests stop at EOS (output lengths then vary)")
@@ -264,7 +291,8 @@ def bench_config(args: argparse.Namespace) -> BenchConfig:
         num_requests=args.num_requests if args.num_requests is not None
         else (None if duration_s else 100),
         duration_s=duration_s, warmup=args.warmup, seed=args.seed,
-        slo=SLO(args.slo_ttft_s, args.slo_tpot_s),
+        slo=(SLOTable(SLO(args.slo_ttft_s, args.slo_tpot_s), args.class_slo)
+             if getattr(args, "class_slo", None) else SLO(args.slo_ttft_s, args.slo_tpot_s)),
         sampling=SamplingConfig(args.temperature, args.ignore_eos, args.request_timeout_s),
         gateway_metrics=getattr(args, "gateway_metrics", None))
 

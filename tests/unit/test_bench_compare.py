@@ -217,6 +217,22 @@ def parse(argv: list[str]) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def test_cli_run_carries_an_slo_per_class():
+    """A mixed load judged by one SLO would hold offline prompts to the interactive
+    objective (and pdserve's admission would refuse them on it)."""
+    args = parse(["bench", "run", "--workload", "mixed", "--rate", "1", "--slo-tpot-s", "0.1",
+                  "--class-slo", "interactive=0.4:0.04, offline=3:"])
+    slo = cli.bench_config(args).slo
+    assert slo == SLOTable(SLO(None, 0.1), {"interactive": SLO(0.4, 0.04), "offline": SLO(3.0, None)})
+    assert slo.of("offline") == SLO(3.0, None) and slo.of("batch") == SLO(None, 0.1)
+    assert cli.bench_config(parse(["bench", "run", "--rate", "1", "--slo-ttft-s", "2"])).slo == SLO(2.0, None)
+    for bad in ("interactive", "interactive=0.4", "=1:1", "offline=x:1", "offline=0:1", ","):
+        with pytest.raises(SystemExit):
+            parse(["bench", "run", "--class-slo", bad])
+    with pytest.raises(SystemExit):  # compare calibrates its per-class SLOs
+        parse(["bench", "compare", "--class-slo", "interactive=0.4:0.04"])
+
+
 def test_cli_compare_without_flags_is_the_short_preset(tmp_path):
     cfg = cli.compare_config(parse(["bench", "compare"]), tmp_path)
     assert cfg.workload_name == "short" and cfg.systems == ("vllm", "pdserve")

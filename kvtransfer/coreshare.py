@@ -58,6 +58,7 @@ removes the words when it stops (`remove_words`).
 from __future__ import annotations
 
 import glob
+import logging
 import math
 import mmap
 import os
@@ -66,6 +67,8 @@ import time
 from collections import deque
 
 import psutil
+
+logger = logging.getLogger(__name__)
 
 ENV_FILE = "PDSERVE_CORE_SHARE_FILE"
 # Set (to anything but 0) to have vLLM's processes of an engine sleep between looks at each
@@ -462,9 +465,14 @@ def bound_engine_spin() -> float | None:
     sleeps on the notification, which the writer sends with every message. Patches the
     class, so queues made before the call are bounded too; the KV connector calls it on
     import, in each of an engine's processes."""
+    text = os.environ.get(ENV_ENGINE_SPIN_S, str(ENGINE_SPIN_S))
     try:
-        spin_s = float(os.environ.get(ENV_ENGINE_SPIN_S, ENGINE_SPIN_S))
+        spin_s = float(text)
     except ValueError:
+        spin_s = math.nan
+    if not spin_s >= 0:
+        logger.warning("%s=%r is not a number of seconds >= 0: this engine spins as vLLM does "
+                       "(a second after each read)", ENV_ENGINE_SPIN_S, text)
         return None
     if spin_s >= 1.0:
         return None

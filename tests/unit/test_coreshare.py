@@ -304,7 +304,7 @@ def test_engine_waits_sleep_between_looks_instead_of_spinning(monkeypatch):
 
 
 
-def test_an_engine_wait_spins_at_most_its_bound_then_sleeps_on_the_notification(monkeypatch):
+def test_an_engine_wait_spins_at_most_its_bound_then_sleeps_on_the_notification(monkeypatch, caplog):
     """vLLM's SpinCondition spins for a second after each read; bounded, one wait spins
     (vLLM's own look) for at most PDSERVE_ENGINE_SPIN_S from its first look, then polls the
     notification socket, and a read starts the count again."""
@@ -318,8 +318,12 @@ def test_an_engine_wait_spins_at_most_its_bound_then_sleeps_on_the_notification(
     monkeypatch.setattr(condition, "_pdserve_spin_s", None, raising=False)
     monkeypatch.setenv(coreshare.ENV_ENGINE_SPIN_S, "1")
     assert coreshare.bound_engine_spin() is None  # vLLM's second
-    monkeypatch.setenv(coreshare.ENV_ENGINE_SPIN_S, "x")
-    assert coreshare.bound_engine_spin() is None
+    assert not caplog.records
+    for bad in ("x", "-1", "nan"):
+        monkeypatch.setenv(coreshare.ENV_ENGINE_SPIN_S, bad)
+        assert coreshare.bound_engine_spin() is None
+        assert f"PDSERVE_ENGINE_SPIN_S={bad!r} is not a number of seconds >= 0" in caplog.records[-1].getMessage()
+    assert len(caplog.records) == 3
     monkeypatch.delenv(coreshare.ENV_ENGINE_SPIN_S)
     assert coreshare.bound_engine_spin() == coreshare.ENGINE_SPIN_S == 0.2  # the default
     assert coreshare.bound_engine_spin() == 0.2  # once

@@ -64,7 +64,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvtransfer import metrics
-from kvtransfer.coreshare import StepYield, bound_engine_spin, quiet_engine_waits
+from kvtransfer.coreshare import StepYield
+from kvtransfer.engine_waits import bound_engine_spin, quiet_engine_waits
 from kvtransfer.layout import REQUIRED_KV_CACHE_LAYOUT, KVHandle, KVLayout, expected_layout
 from kvtransfer.prefill_threads import DecodeBeat, PrefillThreads
 from kvtransfer.step_budget import StepBudget
@@ -87,9 +88,9 @@ LOAD_KEY = "pdserve_load"
 # In RequestOutput.kv_transfer_params of a producer's finished request: the saved KV's handle.
 HANDLE_KEY = "pdserve_handle"
 # With PDSERVE_ENGINE_QUIET the engine's processes (this module is imported in each) wait
-# for each other without spinning (kvtransfer.coreshare).
+# for each other without spinning (kvtransfer.engine_waits).
 quiet_engine_waits()
-# A wait spins at most PDSERVE_ENGINE_SPIN_S, then sleeps (kvtransfer.coreshare).
+# A wait spins at most PDSERVE_ENGINE_SPIN_S, then sleeps (kvtransfer.engine_waits).
 bound_engine_spin()
 
 # On a consumer: the request's TPOT objective in seconds, for `--decode-yield slack|pace`.

@@ -14,7 +14,7 @@
 # a steady share of each step (--decode-yield pace), `shared-whole` with the
 # decode engine waiting for prefill one prompt at a time (--decode-yield whole). A candidate
 # with the suffix -quiet runs with PDSERVE_ENGINE_QUIET=1 (vLLM's engine processes sleep
-# between looks at each other's queue: kvtransfer.coreshare.quiet_engine_waits); one with
+# between looks at each other's queue: kvtransfer.engine_waits.quiet_engine_waits); one with
 # -solo (before any -quiet) adds --prefill-threads solo (kvtransfer.prefill_threads).
 # CANDIDATES="shared split shared-yield15" picks some; a candidate named twice runs twice
 # (alternate them for an A/B on a drifting machine), its second result in <candidate>-2.json.

@@ -207,6 +207,8 @@ class Stack:
         descendants = [p for child in self.children for p in _descendants(child)]
         for child in self.children:
             child.record_segments(time.monotonic(), force=True)
+        # All at once: a worker told a moment after its gateway saw the gateway's port closed.
+        for child in self.children:
             child.terminate()
         deadline = time.monotonic() + STOP_GRACE_S
         for child in self.children:

@@ -26,6 +26,7 @@ logger = logging.getLogger(__name__)
 
 REGISTER_BACKOFF_S = (0.5, 1.0, 2.0, 5.0)
 RPC_TIMEOUT_S = 5.0
+OUTAGE_WARN_BEATS = 3  # heartbeats failed in a row before a worker that is not stopping warns
 COUNTED_METHODS = {"Prefill", "Decode"}
 
 
@@ -135,7 +136,8 @@ class Membership:
         self._drain = drain  # set when the gateway asks this worker to drain
         self._interval_s = 1.0
         self._wake = asyncio.Event()
-        self._failing = False  # the last heartbeat failed
+        self._failed_beats = 0  # in a row, up to the last
+        self._failing = False  # the outage is reported
         self.draining = False
 
     async def run(self) -> None:
@@ -153,19 +155,29 @@ class Membership:
                 if e.code() == grpc.StatusCode.NOT_FOUND:
                     logger.info("gateway %s does not know this worker; registering again", self._gateway)
                     await self._register()
-                elif not self._failing:
-                    # Once per outage, not once per beat; a stopping stack's gateway may go first.
-                    self._failing = True
-                    logger.log(logging.INFO if self.draining else logging.WARNING,
-                               "heartbeats to gateway %s failing: %s; retrying every %.1f s", self._gateway,
-                               e.details(), self._interval_s)
+                else:
+                    self._failed_beats += 1
+                    self._report_outage(e.details())
                 continue
             if self._failing:
-                self._failing = False
                 logger.info("heartbeats to gateway %s go through again", self._gateway)
+            self._failing = False
+            self._failed_beats = 0
             if reply.drain and not self._drain.is_set():
                 logger.info("gateway %s asked this worker to drain", self._gateway)
                 self._drain.set()
+
+    def _report_outage(self, details: str) -> None:
+        """Once per outage, not once per beat. A stopping worker's outage is no warning (its
+        stack's gateway may go first), and neither is one beat or two: the gateway of a stack
+        told to stop closes its port at once, and this worker may hear its own SIGTERM a moment
+        later."""
+        if self._failing or not (self.draining or self._failed_beats >= OUTAGE_WARN_BEATS):
+            return
+        self._failing = True
+        logger.log(logging.INFO if self.draining else logging.WARNING,
+                   "heartbeats to gateway %s failing (%d beats): %s; retrying every %.1f s", self._gateway,
+                   self._failed_beats, details, self._interval_s)
 
     def start_draining(self) -> None:
         """Tells the gateway now (the next heartbeat goes at once)."""

@@ -15,6 +15,7 @@ Both names carry the owner's pid: `sweep_orphans` removes those whose owner is g
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -60,6 +61,27 @@ def use_engine_dir(path: str) -> None:
     """This process's engine (and every process it starts) keeps its files in ``path``."""
     os.environ.update(engine_env(path))
     tempfile.tempdir = path  # tempfile has read TMPDIR once already; forked children inherit this
+
+
+@contextlib.contextmanager
+def engine_dir_of_this_process():
+    """For a script that runs vLLM's ``LLM`` in its own process: the engine it starts keeps
+    its sockets and files in an engine directory of this process, removed on leaving (the
+    environment and the temp directory as they were). Without it each run of
+    scripts/vllm_speed.py left vLLM's socket files in the temp directory."""
+    saved_env = {key: os.environ.get(key) for key in engine_env("")}
+    saved_tempdir = tempfile.tempdir
+    with engine_dir() as path:
+        use_engine_dir(path)
+        try:
+            yield path
+        finally:
+            tempfile.tempdir = saved_tempdir
+            for key, value in saved_env.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
 
 
 def sweep_orphans(parents: list[str] | None = None) -> list[str]:

@@ -81,10 +81,12 @@ prompts = [[1000 + (7 * i + 13 * n) % 20000 for i in range(n)] for n in lengths]
 max_tokens = 16
 reference = subprocess.run([sys.executable, "-c", f"""
 import json, sys
-from vllm import LLM, SamplingParams, TokensPrompt
-llm = LLM({model!r}, gpu_memory_utilization=0.4, enforce_eager=True, max_model_len=4096)
-outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in {prompts!r}],
-                    SamplingParams(max_tokens={max_tokens}, temperature=0, ignore_eos=True))
+from pdserve import tempdirs
+with tempdirs.engine_dir_of_this_process():  # vLLM's socket files go with it
+    from vllm import LLM, SamplingParams, TokensPrompt
+    llm = LLM({model!r}, gpu_memory_utilization=0.4, enforce_eager=True, max_model_len=4096)
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in {prompts!r}],
+                        SamplingParams(max_tokens={max_tokens}, temperature=0, ignore_eos=True))
 print("REFERENCE", json.dumps([list(o.outputs[0].token_ids) for o in outs]))
 """], capture_output=True, text=True, timeout=180)
 line = next((l for l in reference.stdout.splitlines() if l.startswith("REFERENCE ")), None)

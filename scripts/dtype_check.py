@@ -26,4 +26,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from pdserve import tempdirs
+
+    with tempdirs.engine_dir_of_this_process():  # vLLM's socket files go with it
+        main()

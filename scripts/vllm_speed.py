@@ -12,6 +12,7 @@ import time
 
 from vllm import LLM, SamplingParams
 
+from pdserve import tempdirs
 from pdserve.model import default_model_path
 
 
@@ -32,4 +33,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with tempdirs.engine_dir_of_this_process():  # vLLM's socket files go with it
+        main()

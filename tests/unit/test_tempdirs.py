@@ -61,3 +61,21 @@ def test_an_engine_directory_goes_to_tmp_when_the_temp_directory_is_too_long(tmp
         assert os.path.dirname(d.name) == "/tmp"
     finally:
         d.cleanup()
+
+
+def test_a_script_s_engine_directory_holds_what_it_writes_and_goes_with_it(monkeypatch):
+    short = tempfile.mkdtemp(prefix="pdt", dir="/tmp")
+    try:
+        monkeypatch.setattr(tempfile, "tempdir", short)
+        monkeypatch.setenv("TMPDIR", short)
+        monkeypatch.delenv("VLLM_RPC_BASE_PATH", raising=False)
+        with tempdirs.engine_dir_of_this_process() as path:
+            assert os.path.dirname(path) == short
+            assert os.environ["TMPDIR"] == os.environ["VLLM_RPC_BASE_PATH"] == path
+            assert tempfile.gettempdir() == path
+            open(os.path.join(path, "socket-like"), "w").close()  # what vLLM leaves behind
+        assert os.listdir(short) == []
+        assert os.environ["TMPDIR"] == short and "VLLM_RPC_BASE_PATH" not in os.environ
+        assert tempfile.gettempdir() == short
+    finally:
+        os.rmdir(short)

@@ -411,7 +411,8 @@ def build_dispatcher(cfg: GatewayConfig, workers: WorkerPool) -> Dispatcher:
     return Dispatcher(
         RequestQueue(cfg.policy, classes, cfg.aging_s),
         workers,
-        PlacementConfig(cfg.prefill_queue_tokens, cfg.local_prefill_max_tokens, cfg.rescue_prefill_max_tokens),
+        PlacementConfig(cfg.prefill_queue_tokens, cfg.local_prefill_max_tokens, cfg.rescue_prefill_max_tokens,
+                        priority_hold_s=cfg.priority_hold_s),
         objectives,
         admission=cfg.policy == "slo",
     )

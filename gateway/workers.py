@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import time
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import grpc
 from grpc_health.v1 import health_pb2_grpc
@@ -27,7 +27,7 @@ from grpc_health.v1 import health_pb2_grpc
 from gateway.admission import (BEST_CASE_QUANTILE, JoinMeter, LatencyMeter, RatioMeter, ServiceMeter,
                                StepMeter)
 from gateway.decode_stream import DecodeStreams
-from gateway.placement import DecodeLoad, PrefillLoad, RunningRequest, decode_slack_s
+from gateway.placement import DecodeLoad, PrefillLoad, RunningRequest, decode_slack_s, join_slack_s
 from pdserve import rpc
 from protos import worker_pb2, worker_pb2_grpc
 
@@ -49,9 +49,11 @@ class Seat:
     local_step_tokens: int = 0  # its prompt and the local prompts pending with it then
     predicted_step_s: float | None = None  # the step estimate when it joined (unscaled)
     forecast_tpot_s: float | None = None  # what admission forecast then (scaled)
+    priority: int = 0  # its class (gateway.queue.Priority)
 
     def view(self) -> RunningRequest:
-        return RunningRequest(self.tpot_slo_s, self.max_tokens, self.num_generated, self.first_token_s)
+        return RunningRequest(self.tpot_slo_s, self.max_tokens, self.num_generated, self.first_token_s,
+                              self.priority)
 
 
 # A healthy worker leaves rotation after this many health checks in a row went unanswered
@@ -156,6 +158,13 @@ class Worker:
             return None
         return (step * self.tpot_ratio.ratio(now_s),
                 step * self.tpot_ratio.quantile(BEST_CASE_QUANTILE, now_s))
+
+    def join_slack_s(self, priority: int, max_tokens: int, now_s: float) -> float:
+        """What a request of ``priority`` joining now leaves of the slack of the running
+        requests of a higher priority (`placement.join_slack_s`)."""
+        n = len(self.seats)
+        return join_slack_s([s.view() for s in self.seats], priority, max_tokens,
+                            self.predict_tpot_s(n, now_s), self.predict_tpot_s(n + 1, now_s), now_s)
 
     def decode_load(self, now_s: float) -> DecodeLoad:
         assert self.info is not None
@@ -282,6 +291,24 @@ class WorkerPool:
 
     def routable(self, role: str) -> list[Worker]:
         return [w for w in self.workers if w.role == role and w.routable]
+
+    def decode_loads(self, now_s: float, joining: tuple[int, int] | None = None) -> list[DecodeLoad]:
+        """The routable decode workers' loads; for a request ``joining`` (its priority and
+        max_tokens) that a higher class's objectives hold back: without the workers where its
+        joining would make a running request of a higher class miss its TPOT objective, and
+        on the others with such requests' slack (what they keep with it beside them) bounding
+        the stall of its prefill there (`placement.join_slack_s`)."""
+        loads = []
+        for w in self.routable("decode"):
+            load = w.decode_load(now_s)
+            if joining is not None:
+                keep = w.join_slack_s(*joining, now_s)
+                if keep < 0:
+                    continue
+                if keep < load.slack_s:
+                    load = replace(load, slack_s=keep)
+            loads.append(load)
+        return loads
 
     def by_address(self, address: str) -> Worker:
         return next(w for w in self.workers if w.address == address)

@@ -48,6 +48,9 @@ def _policy_args(p: argparse.ArgumentParser) -> None:
                    help="longest prompt a decode worker may prefill itself when the prefill tier would miss "
                         "its TTFT objective and the decode worker's running requests can absorb the stall "
                         "(0: none longer than --local-prefill-max-tokens)")
+    g.add_argument("--priority-hold-s", type=float, default=5.0,
+                   help="slo policy: longest a request waits for a decode worker where its joining would make "
+                        "a higher class's running requests miss their TPOT objectives (0: never)")
     g.add_argument("--stream-intervals", default="1,4,8",
                    help="tokens gathered into one streamed message per class (fewer messages, less CPU)")
     g.add_argument("--decode-stream", choices=("shared", "per-request"), default="shared",
@@ -63,6 +66,7 @@ def policy_argv(args) -> list[str]:
             "--aging-s", str(args.aging_s), "--prefill-queue-tokens", str(args.prefill_queue_tokens),
             "--local-prefill-max-tokens", str(args.local_prefill_max_tokens),
             "--rescue-prefill-max-tokens", str(args.rescue_prefill_max_tokens),
+            "--priority-hold-s", str(args.priority_hold_s),
             "--stream-intervals", args.stream_intervals, "--decode-stream", args.decode_stream]
 
 
@@ -142,6 +146,7 @@ def cmd_gateway(args) -> int:
         prefill_queue_tokens=args.prefill_queue_tokens,
         local_prefill_max_tokens=args.local_prefill_max_tokens,
         rescue_prefill_max_tokens=args.rescue_prefill_max_tokens,
+        priority_hold_s=args.priority_hold_s,
         stream_intervals=per_class(args.stream_intervals, "--stream-intervals", int),
         decode_stream=args.decode_stream,
         heartbeat_interval_s=args.heartbeat_interval_s,

@@ -146,6 +146,9 @@ class GatewayConfig:
     # Longest prompt a decode worker may prefill itself when the prefill tier would miss its
     # TTFT objective and the running requests absorb the stall (0: none beyond the above).
     rescue_prefill_max_tokens: int = 4096
+    # Slo policy: the longest a request waits for a decode worker where its joining would make
+    # a higher class's running requests miss their TPOT objectives (0: never).
+    priority_hold_s: float = 5.0
     # Per class: tokens a decode worker gathers into one streamed message (the first and
     # last go at once). Fewer messages cost the gateway less CPU; interactive streams get 1.
     stream_intervals: tuple[int, int, int] = (1, 4, 8)
@@ -181,6 +184,8 @@ class GatewayConfig:
             raise ValueError(f"--local-prefill-max-tokens must be >= 0, got {self.local_prefill_max_tokens}")
         if self.rescue_prefill_max_tokens < 0:
             raise ValueError(f"--rescue-prefill-max-tokens must be >= 0, got {self.rescue_prefill_max_tokens}")
+        if self.priority_hold_s < 0:
+            raise ValueError(f"--priority-hold-s must be >= 0, got {self.priority_hold_s}")
         if not 0 < self.heartbeat_interval_s < self.heartbeat_timeout_s:
             raise ValueError(
                 f"need 0 < --heartbeat-interval-s < --heartbeat-timeout-s, got "

@@ -15,6 +15,7 @@ from gateway.placement import (
     RunningRequest,
     Where,
     decode_slack_s,
+    join_slack_s,
     move_stalled,
     pick_decode,
     place,
@@ -180,6 +181,27 @@ def test_decode_slack_is_the_tightest_running_request_margin():
     assert decode_slack_s(running, 0.040, now_s=10.0) == pytest.approx(0.75)
     assert decode_slack_s(running[1:], 0.040, now_s=10.0) == math.inf
     assert decode_slack_s([RunningRequest(0.01, 10, 5, 0.0)], 0.04, now_s=10.0) == 0.0
+
+
+def test_join_slack_is_what_a_lower_class_joining_leaves_a_higher_one():
+    # 51 tokens at 40 ms allowed: 2.0 s; 1 s spent, 40 left: at 20 ms a step 0.2 s to spare.
+    interactive = RunningRequest(0.040, 51, 11, first_token_s=9.0, priority=0)
+    # An offline request of 21 tokens runs beside it for 20 of its 40 steps, at 25 ms.
+    assert join_slack_s([interactive], 2, 21, 0.020, 0.025, now_s=10.0) == pytest.approx(0.1)
+    # One of 101 tokens for all 40 of them: nothing to spare; at 30 ms, a miss by 0.2 s.
+    assert join_slack_s([interactive], 2, 101, 0.020, 0.025, now_s=10.0) == pytest.approx(0.0)
+    assert join_slack_s([interactive], 2, 101, 0.020, 0.030, now_s=10.0) == pytest.approx(-0.2)
+    # The same class, a higher one, no step measured: nothing to protect.
+    assert join_slack_s([interactive], 0, 101, 0.020, 0.030, now_s=10.0) == math.inf
+    offline = replace(interactive, priority=2)
+    assert join_slack_s([offline], 0, 101, 0.020, 0.030, now_s=10.0) == math.inf
+    assert join_slack_s([interactive], 2, 101, None, 0.030, now_s=10.0) == math.inf
+    # Already late at 30 ms without it (1.2 s of steps left in 1.0 s): not the join's doing.
+    assert join_slack_s([interactive], 2, 101, 0.030, 0.040, now_s=10.0) == math.inf
+    # The tightest of those it protects; one without an objective or a first token has none.
+    tight = RunningRequest(0.040, 51, 11, first_token_s=8.9, priority=1)
+    others = [RunningRequest(None, 51, 11, 9.0), RunningRequest(0.040, 51, 0, None)]
+    assert join_slack_s([interactive, tight, *others], 2, 21, 0.020, 0.025, now_s=10.0) == pytest.approx(0.0)
 
 
 def test_prefix_index_matches_whole_leading_blocks():

@@ -22,16 +22,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from gateway import metrics
 from gateway.admission import Forecast, Reason, Refusal, decide, predict_ttft_s, remaining_tokens
-from gateway.placement import (DecodeLoad, Placement, PlacementConfig, PrefixIndex, Where, move_stalled, pick_decode, place,
+from gateway.placement import (Placement, PlacementConfig, PrefixIndex, Where, move_stalled, place,
                                place_without_tier, rescue_long, soonest_local_ttft_s, stalled_after_s)
 from gateway.queue import Priority, QueueFull, RequestQueue, Ticket
+from gateway.seating import Seating
 from gateway.workers import Seat, Worker, WorkerPool
 from pdserve import rpc
 
@@ -49,15 +49,6 @@ class ClassObjectives:
 
     ttft_s: dict[Priority, float | None]
     tpot_s: dict[Priority, float | None]
-
-
-@dataclass(slots=True)
-class SeatWaiter:
-    """A prefilled request waiting for a decode seat."""
-
-    ticket: Ticket
-    since_s: float  # when it began to wait (-inf: its priority hold is over)
-    future: asyncio.Future[Worker]
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,7 +76,7 @@ class Dispatcher:
         self._admission = admission
         self._clock = clock
         self._waiting: dict[Ticket, asyncio.Future[Grant]] = {}
-        self._seat_waiters: list[SeatWaiter] = []  # in arrival order
+        self._seating = Seating(workers, placement, admission, clock)
         self._prefixes: PrefixIndex | None = None
         self._timer: asyncio.TimerHandle | None = None
         # Prompts sent to the prefill tier and unanswered: their worker, and the event that
@@ -179,7 +170,7 @@ class Dispatcher:
             self._expire(ticket, now)
         for ticket in self._overdue(now):
             self._refuse_overdue(ticket, now)
-        self._serve_seat_waiters(now)
+        self._seating.serve(now)
         remote_open = True
         for ticket in self.queue.ordered(now):
             if ticket not in self._waiting:
@@ -312,7 +303,7 @@ class Dispatcher:
 
     def _place(self, ticket: Ticket, now: float, remote_open: bool) -> Placement | None:
         tier = self._workers.routable("prefill")
-        decode = self._decode_loads(ticket, now)
+        decode = self._seating.loads_for(ticket, now)
         if not tier:  # no prefix to match, no tier load to read
             return place_without_tier(ticket.num_prompt_tokens, ticket.num_prompt_tokens + ticket.max_tokens, decode)
         matched = self._prefix_index().matched_tokens(self._prefix_keys(ticket))
@@ -422,7 +413,7 @@ class Dispatcher:
         prompt); None: no decode worker can take it now. On a grant the caller cancels the
         prefill call and reports nothing more for it."""
         now = self._clock()
-        decode = self._decode_loads(ticket, now)
+        decode = self._seating.loads_for(ticket, now)
         budget = None if ticket.ttft_slo_s is None else ticket.arrival_s + ticket.ttft_slo_s - now
         # A prompt past its objective moves within slack only while no other prompt waits for
         # it: not when offered a rescue ahead of a newer one, nor with prompts queued here.
@@ -447,45 +438,12 @@ class Dispatcher:
         return Grant(placement, seat)
 
     async def decode_seat(self, ticket: Ticket) -> tuple[Worker, Seat]:
-        """A decode worker with room for a prefilled request; waits while all are full, or
-        while its joining would make a higher class's running requests miss their TPOT
-        objectives (up to `PlacementConfig.priority_hold_s`: `_decode_loads`)."""
+        """A decode worker with room for a prefilled request, and its seat there
+        (seating.py: it waits while all are full, or while a higher class holds it back)."""
         seat = self._seat(ticket)
-        now = self._clock()
-        chosen = pick_decode(seat.kv_tokens, self._decode_loads(ticket, now, since_s=now))
-        if chosen is None:
-            waiter = SeatWaiter(ticket, now, asyncio.get_running_loop().create_future())
-            future = waiter.future
-            self._seat_waiters.append(waiter)
-            if self._holds(ticket, now, now):
-                try:
-                    worker = await asyncio.wait_for(asyncio.shield(future), self._placement.priority_hold_s)
-                except TimeoutError:
-                    waiter.since_s = -math.inf  # held long enough: any seat now
-                    self._serve_seat_waiters(self._clock())
-                    worker = await future
-                except asyncio.CancelledError:
-                    future.cancel()
-                    raise
-            else:
-                worker = await future
-        else:
-            worker = self._workers.by_address(chosen)
+        worker = await self._seating.take(ticket)
         self._join(worker, seat, self._clock())
         return worker, seat
-
-    def _holds(self, ticket: Ticket, since_s: float, now: float) -> bool:
-        """Whether a higher class's objectives may still hold ``ticket`` back (slo policy, a
-        class below the first, waiting since ``since_s`` for less than the hold)."""
-        return (self._admission and ticket.priority > 0 and self._placement.priority_hold_s > 0
-                and now - since_s < self._placement.priority_hold_s)
-
-    def _decode_loads(self, ticket: Ticket, now: float, since_s: float | None = None) -> list[DecodeLoad]:
-        """The decode workers as ``ticket`` may use them, the higher classes' objectives
-        kept while they hold it back (`_holds`, waiting since ``since_s``, default its
-        arrival; `WorkerPool.decode_loads`)."""
-        hold = self._holds(ticket, ticket.arrival_s if since_s is None else since_s, now)
-        return self._workers.decode_loads(now, (int(ticket.priority), ticket.max_tokens) if hold else None)
 
     def _join(self, worker: Worker, seat: Seat, now: float) -> None:
         seat.predicted_step_s = step = worker.join_step_s(seat.max_tokens, now)
@@ -494,22 +452,6 @@ class Dispatcher:
         worker.seats.add(seat)
         for w in self._workers.routable("prefill"):
             w.prefill_meter.contend()  # prefills in progress now run beside decode
-
-    def _serve_seat_waiters(self, now: float) -> None:
-        """Seats for the waiting in arrival order: one that finds every worker full keeps
-        the first place in line; one held back for a higher class lets those behind go."""
-        for waiter in list(self._seat_waiters):
-            if waiter.future.done():
-                self._seat_waiters.remove(waiter)
-                continue
-            kv_tokens = waiter.ticket.num_prompt_tokens + waiter.ticket.max_tokens
-            if pick_decode(kv_tokens, self._workers.decode_loads(now)) is None:
-                return
-            chosen = pick_decode(kv_tokens, self._decode_loads(waiter.ticket, now, waiter.since_s))
-            if chosen is None:
-                continue
-            self._seat_waiters.remove(waiter)
-            waiter.future.set_result(self._workers.by_address(chosen))
 
     def first_token(self, worker: Worker, seat: Seat, num_tokens: int, num_cached_tokens: int) -> None:
         """The seat's first token arrived: for a local prefill, its prompt is done."""

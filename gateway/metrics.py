@@ -54,6 +54,13 @@ EXPIRED = Counter(
     "Requests whose deadline passed while queued in the gateway (never sent to a worker), by class.",
     ["priority"],
 )
+SEAT_HOLDS = Histogram(
+    "pdserve_seat_hold_seconds",
+    "Time prefilled requests waited for a decode seat while held back for a higher class (their "
+    "joining would have made its running requests miss their TPOT objectives), by class.",
+    ["priority"],
+    buckets=LATENCY_BUCKETS,
+)
 PLACEMENTS = Counter(
     "pdserve_placements",
     "Where prompts were prefilled: remote (the prefill tier) or local (the decode worker itself).",

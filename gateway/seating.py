@@ -17,6 +17,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from gateway import metrics
 from gateway.placement import DecodeLoad, PlacementConfig, pick_decode
 from gateway.queue import Ticket
 from gateway.workers import Worker, WorkerPool
@@ -63,14 +64,16 @@ class Seating:
         if not self.holds(ticket, now, now):
             return await waiter.future
         try:
-            return await asyncio.wait_for(asyncio.shield(waiter.future), self._hold_s)
+            worker = await asyncio.wait_for(asyncio.shield(waiter.future), self._hold_s)
         except TimeoutError:
             waiter.since_s = -math.inf  # held long enough: any seat now
             self.serve(self._clock())
-            return await waiter.future
+            worker = await waiter.future
         except asyncio.CancelledError:
             waiter.future.cancel()
             raise
+        metrics.SEAT_HOLDS.labels(ticket.priority.label).observe(self._clock() - now)
+        return worker
 
     def serve(self, now: float) -> None:
         """Seats for the line in arrival order: one that finds every worker full keeps the

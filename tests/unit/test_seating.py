@@ -8,6 +8,7 @@ import asyncio
 import time
 
 import pytest
+from prometheus_client import REGISTRY
 
 from gateway.queue import Ticket
 from tests.unit.dispatching import I, O, dispatcher, run
@@ -37,11 +38,21 @@ def test_an_offline_request_waits_for_its_seat_while_it_would_make_an_interactiv
         await asyncio.sleep(0.01)
         held = not waiting.done()
         other, _ = await d.decode_seat(Ticket("i2", I, 40, 64, clock.now))  # a higher class is not held
+        clock.now += 0.5
         d.release(d0, running)
         worker, seat = await waiting
         return held, other.address, worker.address, seat.priority, len(d0.seats)
 
+    before = _holds_seen()
     assert run(scenario()) == (True, "d0", "d0", int(O), 2)
+    count, total_s = (a - b for a, b in zip(_holds_seen(), before))
+    assert count == 1 and total_s == pytest.approx(0.5)
+
+
+def _holds_seen() -> tuple[float, float]:
+    """pdserve_seat_hold_seconds for the offline class: count and sum."""
+    return tuple(REGISTRY.get_sample_value(f"pdserve_seat_hold_seconds_{what}", {"priority": "offline"}) or 0.0
+                 for what in ("count", "sum"))
 
 
 def test_an_offline_request_is_held_no_longer_than_the_hold_nor_under_fifo():

@@ -28,8 +28,8 @@ from dataclasses import dataclass
 
 from gateway import metrics
 from gateway.admission import Forecast, Reason, Refusal, decide, predict_ttft_s, remaining_tokens
-from gateway.placement import (Placement, PlacementConfig, PrefixIndex, Where, move_stalled, place,
-                               place_without_tier, rescue_long, soonest_local_ttft_s, stalled_after_s)
+from gateway.placement import (Placement, PlacementConfig, PrefixIndex, Where, local_step_tokens, move_stalled,
+                               place, place_without_tier, rescue_long, soonest_local_ttft_s, stalled_after_s)
 from gateway.queue import Priority, QueueFull, RequestQueue, Ticket
 from gateway.seating import Seating
 from gateway.workers import Seat, Worker, WorkerPool
@@ -331,7 +331,8 @@ class Dispatcher:
         seat = self._seat(ticket)
         seat.local_prefill_tokens = ticket.num_prompt_tokens
         seat.local_start_s = now
-        seat.local_step_tokens = ticket.num_prompt_tokens + sum(s.local_prefill_tokens for s in worker.seats)
+        seat.local_step_tokens = local_step_tokens(sum(s.local_prefill_tokens for s in worker.seats),
+                                                   ticket.num_prompt_tokens, worker.info.long_prefill_tokens)
         self._join(worker, seat, now)
         worker.local_meter.start(now)
         return seat

@@ -183,6 +183,7 @@ class Worker:
             local_tokens_per_s=local_tps,
             slack_s=slack,
             local_ttft_fit=self.local_latency.fit(now_s),
+            chunk_tokens=self.info.long_prefill_tokens,
         )
 
 

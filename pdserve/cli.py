@@ -98,6 +98,7 @@ def cmd_worker(args) -> int:
         block_size=args.block_size,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
+        long_prefill_tokens=args.long_prefill_tokens,
         enforce_eager=not args.compile,
         dtype=args.dtype,
         kv_transports=_worker_transports(args.kv_transport),
@@ -253,6 +254,10 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--sched", choices=("normal", "idle"), default="normal",
                        help="idle: the engine yields its cores to any other work (SCHED_IDLE)")
         p.add_argument("--max-num-seqs", type=int, default=64)
+        p.add_argument("--long-prefill-tokens", type=int, default=None,
+                       help="most tokens of one prompt's prefill per engine step while other requests run "
+                            "(0: no cap; default: 256 on a decode worker, so a short prompt need not wait "
+                            "for a long one to finish, none on a prefill worker)")
         p.add_argument("--compile", action="store_true", help="torch.compile the model (slow first boot)")
         p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
                        help="compute dtype (auto: the model's on a GPU, float32 on a CPU; README says why)")

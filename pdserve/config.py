@@ -10,6 +10,13 @@ KV_TRANSPORTS = ("shm", "tcp", "nccl", "cuda_ipc")
 LOAD_FAILURE_POLICIES = ("fail", "recompute")
 
 
+# A decode worker prefills a long prompt (a rescue) in chunks of at most this many tokens
+# per engine step while other requests run, so that a short prompt arriving meanwhile (up
+# to the gateway's --local-prefill-max-tokens, 256) starts in the next step instead of
+# after the whole long one.
+DECODE_LONG_PREFILL_TOKENS = 256
+
+
 @dataclass(frozen=True)
 class WorkerConfig:
     role: str
@@ -29,6 +36,10 @@ class WorkerConfig:
     max_model_len: int | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int | None = None
+    # Most tokens of one prompt's prefill in an engine step while other requests run (vLLM's
+    # long_prefill_token_threshold; 0: none); None: DECODE_LONG_PREFILL_TOKENS on a decode
+    # worker, none on a prefill worker.
+    long_prefill_tokens: int | None = None
     enforce_eager: bool = True
     enable_prefix_caching: bool = True
     # Compute (and KV) dtype; "auto": the model's on hardware with native bf16/fp16 math,
@@ -90,6 +101,15 @@ class WorkerConfig:
             raise ValueError(f"--drain-grace-s must be >= 0, got {self.drain_grace_s}")
         if "-" in self.worker_id or "/" in self.worker_id:
             raise ValueError(f"worker id may not contain '-' or '/': {self.worker_id!r}")
+        if self.long_prefill_tokens is not None and self.long_prefill_tokens < 0:
+            raise ValueError(f"--long-prefill-tokens must be >= 0, got {self.long_prefill_tokens}")
+
+    @property
+    def long_prefill_threshold(self) -> int:
+        """vLLM's long_prefill_token_threshold for this worker's engine (0: no cap)."""
+        if self.long_prefill_tokens is not None:
+            return self.long_prefill_tokens
+        return DECODE_LONG_PREFILL_TOKENS if self.role == "decode" else 0
 
 
 CLASSES = ("interactive", "batch", "offline")

@@ -73,6 +73,7 @@ def build_engine(cfg: WorkerConfig, stat_loggers: list | None = None) -> AsyncLL
         max_model_len=cfg.max_model_len,
         max_num_seqs=cfg.max_num_seqs,
         max_num_batched_tokens=cfg.max_num_batched_tokens,
+        long_prefill_token_threshold=cfg.long_prefill_threshold,
         enforce_eager=cfg.enforce_eager,
         enable_prefix_caching=cfg.enable_prefix_caching,
         kv_transfer_config=kv_config,
@@ -161,6 +162,7 @@ def worker_info(engine: AsyncLLM, cfg: WorkerConfig) -> worker_pb2.WorkerInfo:
         kv_device=_device_type(engine.vllm_config.device_config.device),
         kv_capacity_tokens=(cache.num_gpu_blocks or 0) * cache.block_size,
         max_num_seqs=engine.vllm_config.scheduler_config.max_num_seqs,
+        long_prefill_tokens=engine.vllm_config.scheduler_config.long_prefill_token_threshold,
     )
 
 

@@ -10,3 +10,16 @@ def test_stream_interval_reaches_vllm_and_zero_means_every_step():
     coalesced = sampling_params(worker_pb2.EngineSampling(max_tokens=9, top_p=1.0, stream_interval=4), 9)
     assert (coalesced.stream_interval, coalesced.output_kind) == (4, RequestOutputKind.DELTA)
     assert sampling_params(worker_pb2.EngineSampling(max_tokens=9, top_p=1.0), 9).stream_interval is None
+
+
+def test_a_decode_engine_chunks_long_prefills_and_a_prefill_engine_does_not():
+    import pytest
+
+    from pdserve.config import DECODE_LONG_PREFILL_TOKENS, WorkerConfig
+
+    assert WorkerConfig(role="decode", model="m").long_prefill_threshold == DECODE_LONG_PREFILL_TOKENS == 256
+    assert WorkerConfig(role="prefill", model="m").long_prefill_threshold == 0
+    assert WorkerConfig(role="decode", model="m", long_prefill_tokens=0).long_prefill_threshold == 0
+    assert WorkerConfig(role="prefill", model="m", long_prefill_tokens=512).long_prefill_threshold == 512
+    with pytest.raises(ValueError, match="--long-prefill-tokens must be >= 0"):
+        WorkerConfig(role="decode", model="m", long_prefill_tokens=-1)

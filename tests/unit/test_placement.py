@@ -205,17 +205,17 @@ def test_join_slack_is_what_a_lower_class_joining_leaves_a_higher_one():
     assert join_slack_s([interactive, tight, *others], 2, 21, 0.020, 0.025, now_s=10.0) == pytest.approx(0.0)
 
 
-def test_a_short_prompt_behind_a_chunked_long_one_waits_for_two_chunks_of_it():
-    # No cap: behind all 1,900 pending tokens; a cap of 256: behind two steps' chunks.
+def test_a_short_prompt_behind_a_chunked_long_one_waits_for_one_chunk_of_it():
+    # No cap: behind all 1,900 pending tokens; a cap of 256: beside the next chunk.
     assert local_step_tokens(1900, 100, 0) == 2000
-    assert local_step_tokens(1900, 100, 256) == 612
-    assert local_step_tokens(300, 100, 256) == 400  # less pending than two chunks
+    assert local_step_tokens(1900, 100, 256) == 356
+    assert local_step_tokens(200, 100, 256) == 300  # less pending than a chunk
     assert local_step_tokens(1900, 300, 256) == 2200  # itself chunked: behind all of it
     fitted = replace(decode(running=1, local_tokens=1900), local_ttft_fit=(0.05, 0.001))
     assert fitted.local_ttft_s(100) == pytest.approx(0.05 + 2.0)
-    assert replace(fitted, chunk_tokens=256).local_ttft_s(100) == pytest.approx(0.05 + 0.612)
+    assert replace(fitted, chunk_tokens=256).local_ttft_s(100) == pytest.approx(0.05 + 0.356)
     # Without a fit, the local rate: 200 tokens/s.
-    assert replace(decode(local_tokens=1900), chunk_tokens=256).local_ttft_s(100) == pytest.approx(612 / 200)
+    assert replace(decode(local_tokens=1900), chunk_tokens=256).local_ttft_s(100) == pytest.approx(356 / 200)
 
 
 def test_prefix_index_matches_whole_leading_blocks():

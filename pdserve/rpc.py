@@ -91,8 +91,19 @@ def status_of(e: BaseException, name: str) -> tuple[grpc.StatusCode, str]:
         # A downstream call failed; its status says whose fault it is.
         code = e.code() if e.code() in PASS_THROUGH else grpc.StatusCode.UNAVAILABLE
         return code, f"{e.details()}"
+    if _is_vllm_client_error(e):
+        # vLLM refused the request itself (a sampling value it does not take): the caller's.
+        return grpc.StatusCode.INVALID_ARGUMENT, f"{type(e).__name__}: {e}"
     logger.exception("bug in %s", name, exc_info=e)
     return grpc.StatusCode.INTERNAL, f"internal error in {name}: {type(e).__name__}"
+
+
+def _is_vllm_client_error(e: BaseException) -> bool:
+    """vLLM's errors caused by the request (vllm.exceptions.VLLMClientError, its 4xx), told
+    by name so that processes without vLLM (the gateway) need not import it. Seen: a worker's
+    Decode called with top_p 0 answered INTERNAL ("bug in DecodeServicer.Decode:
+    VLLMValidationError")."""
+    return any(c.__name__ == "VLLMClientError" and c.__module__ == "vllm.exceptions" for c in type(e).__mro__)
 
 
 async def _abort(context: grpc.aio.ServicerContext, e: BaseException, name: str) -> None:

@@ -354,11 +354,10 @@ def join_slack_s(running: list[RunningRequest], priority: int, max_tokens: int, 
     ``step_with_s`` while it runs): the smallest such margin; below 0, its joining alone
     makes one miss; inf: none to protect, or no step measured.
 
-    A lower class must not cost a higher one its objective: seen in the mixed benchmark,
-    offline prompts moved onto the decode worker joined its batch while interactive
-    requests decoded there, and 22 of 27 interactive requests ran at 41-50 ms a token
-    against a 39.2 ms objective. One already missing is not protected: the join does not
-    decide it."""
+    A lower class must not cost a higher one its objective: seen in a mixed run at 0.266
+    req/s (scripts/beside_table.py), 4 of the 11 interactive requests late on TPOT against a
+    39.2 ms objective had an offline request decoding beside them. One already missing is
+    not protected: the join does not decide it."""
     if step_s is None or step_with_s is None:
         return math.inf
     slack = math.inf

@@ -78,14 +78,19 @@ class Seating:
     def serve(self, now: float) -> None:
         """Seats for the line in arrival order: one that finds every worker full keeps the
         first place; one held back for a higher class lets those behind it go."""
+        if not self._line:
+            return
+        # Seats are taken when the waiters run, after this loop: one view serves all of them.
+        everyone = self._workers.decode_loads(now)
         for waiter in list(self._line):
             if waiter.future.done():
                 self._line.remove(waiter)
                 continue
             kv_tokens = waiter.ticket.num_prompt_tokens + waiter.ticket.max_tokens
-            if pick_decode(kv_tokens, self._workers.decode_loads(now)) is None:
+            if pick_decode(kv_tokens, everyone) is None:
                 return
-            chosen = pick_decode(kv_tokens, self.loads_for(waiter.ticket, now, waiter.since_s))
+            held = self.holds(waiter.ticket, waiter.since_s, now)
+            chosen = pick_decode(kv_tokens, self.loads_for(waiter.ticket, now, waiter.since_s) if held else everyone)
             if chosen is None:
                 continue
             self._line.remove(waiter)

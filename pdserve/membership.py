@@ -190,9 +190,11 @@ class Membership:
                                         timeout=RPC_TIMEOUT_S)
             logger.info("deregistered from gateway %s", self._gateway)
         except grpc.aio.AioRpcError as e:
-            # A gateway that is gone (a stack stopping as a whole) has nothing to forget;
-            # one that is up takes this worker out when its heartbeats stop.
-            logger.log(logging.INFO if e.code() == grpc.StatusCode.UNAVAILABLE else logging.WARNING,
+            # A gateway that is gone or going (a stack stopping as a whole: its server
+            # cancels the calls in flight as it stops) has nothing to forget; one that is up
+            # takes this worker out when its heartbeats stop.
+            gone = e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+            logger.log(logging.INFO if gone else logging.WARNING,
                        "not deregistered from gateway %s: %s", self._gateway, e.details())
         await self._channel.close()
 

@@ -367,7 +367,10 @@ class Serving:
             self._was_ready = ready
         tier = bool(self._workers.routable("prefill"))
         if ready and tier != self._had_tier:
-            if not tier:
+            if not tier and self._had_tier is None:
+                # A stack's start: its decode worker often registers before its prefill worker.
+                logger.info("no prefill worker in rotation yet: the decode workers prefill every prompt until one is")
+            elif not tier:
                 logger.warning("no prefill worker in rotation: the decode workers prefill every prompt until one is")
             elif self._had_tier is False:
                 logger.info("a prefill worker is in rotation: long prompts go to the prefill tier again")

@@ -95,14 +95,16 @@ def test_a_burst_beyond_capacity_with_a_tight_ttft_objective_is_refused_at_once(
     # queue ahead of it grew (ttft_slo_queued): both are TTFT refusals.
     reasons = ('reason="ttft_slo"', 'reason="ttft_slo_queued"')
     refused_before = sum(stack.metric(0, "pdserve_refusals_total", r, default=0.0) for r in reasons)
-    burst = [request(prompts(11 + i, 600), f"burst-{i}", ttft_ms=3000) for i in range(12)]
+    # 12,000 prompt tokens against a 2 s objective: this machine prefills 1,000-2,000 tokens/s
+    # on both tiers together (600-token prompts at 3 s let 7 of 12 through once, a thin margin).
+    burst = [request(prompts(11 + i, 1000), f"burst-{i}", ttft_ms=2000) for i in range(12)]
     started = time.monotonic()
     with ThreadPoolExecutor(len(burst)) as pool:
         outcomes = list(pool.map(lambda r: _outcome(stack, r), burst))
     codes = [code for code, _, _ in outcomes]
     refusals = [(elapsed, retry) for code, elapsed, retry in outcomes if code == grpc.StatusCode.RESOURCE_EXHAUSTED]
     assert set(codes) <= {grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED}, codes
-    assert len(refusals) >= 6, codes  # 12 x 600 tokens cannot all prefill within 3 s here
+    assert len(refusals) >= 6, codes  # at most half of them can prefill within 2 s here
     assert all(elapsed < 2.0 for elapsed, _ in refusals), refusals  # at once, not timed out
     assert all(retry is not None and retry > 0 for _, retry in refusals), refusals
     refused = sum(stack.metric(0, "pdserve_refusals_total", r, default=0.0) for r in reasons)
@@ -297,6 +299,7 @@ def test_with_the_prefill_worker_down_a_long_prompt_is_prefilled_on_the_decode_w
     worker = psutil.Process(_prefill_worker_pid(stack))
     stopped = [worker, *worker.children(recursive=True)]
     prefill_ready = lambda: stack.metric(0, "pdserve_workers_ready", 'role="prefill"')  # noqa: E731
+    mark = len(stack.log)
     for p in stopped:
         p.suspend()
     try:
@@ -308,7 +311,8 @@ def test_with_the_prefill_worker_down_a_long_prompt_is_prefilled_on_the_decode_w
     wait_for(lambda: prefill_ready() == 1, 30)
     assert replies[-1].usage.completion_tokens == 4
     assert route["pdserve-prefill"] == "local"
-    assert any("no prefill worker in rotation" in line for line in stack.log)
+    # Losing the tier mid-run is a warning (no tier at the stack's start is only INFO).
+    assert any(re.search(r" WARNING gateway[.\w]*: no prefill worker in rotation:", line) for line in stack.log[mark:])
     replies, route = call_routed(stack, request(prompts(72, 600), "tier-again", max_tokens=4))
     assert replies[-1].usage.completion_tokens == 4
     assert route["pdserve-prefill"] == "remote"

@@ -4,6 +4,7 @@ Worker channels are opened lazily by grpc.aio and never used here)."""
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import pytest
 
@@ -323,3 +324,30 @@ def test_a_heartbeat_that_brings_a_worker_back_sets_health_at_once_and_a_routine
     serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
     assert asyncio.run(scenario()) == [(serving, []), not_serving, (not_serving, [["down"]]),
                                        (serving, [["down"], ["ready"]])]
+
+
+def test_no_prefill_worker_at_a_stacks_start_is_info_and_losing_the_tier_later_warns(caplog):
+    """A stack's decode worker often registers before its prefill worker: serving without a
+    tier then is routine (INFO). The tier going away later is news (WARNING), once."""
+    from gateway.registry import RegistryServicer
+    from gateway.server import Serving
+
+    async def scenario():
+        pool = WorkerPool()
+        serving = Serving(FakeHealth(), pool)
+        registry = RegistryServicer(pool, 1.0, serving.refresh, clock=lambda: 0.0)
+        try:
+            for worker_id, role in (("d1", "decode"), ("p1", "prefill")):
+                await registry.Register(worker_pb2.RegisterRequest(info=info(worker_id, role), address=f"{worker_id}:1"),
+                                        None)
+            await registry.Deregister(worker_pb2.DeregisterRequest(worker_id="p1"), None)
+            await serving.refresh()  # the next poll round: said once
+        finally:
+            await pool.close()
+
+    with caplog.at_level(logging.INFO, logger="gateway.server"):
+        asyncio.run(scenario())
+    said = [(r.levelname, r.getMessage().split(":")[0]) for r in caplog.records if "prefill worker" in r.getMessage()]
+    assert said == [("INFO", "no prefill worker in rotation yet"),
+                    ("INFO", "a prefill worker is in rotation"),
+                    ("WARNING", "no prefill worker in rotation")]

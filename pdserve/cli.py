@@ -99,6 +99,7 @@ def cmd_worker(args) -> int:
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         long_prefill_tokens=args.long_prefill_tokens,
+        max_num_batched_tokens=args.max_num_batched_tokens,
         enforce_eager=not args.compile,
         dtype=args.dtype,
         kv_transports=_worker_transports(args.kv_transport),
@@ -258,6 +259,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="most tokens of one prompt's prefill per engine step while other requests run "
                             "(0: no cap; default: 256 on a decode worker, so a short prompt need not wait "
                             "for a long one to finish, none on a prefill worker)")
+        p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                       help="most tokens one engine step computes (vLLM's; default: twice --long-prefill-tokens "
+                            "on a decode worker, as vLLM lifts that cap for a prompt alone on the engine; "
+                            "vLLM's own default on a prefill worker)")
         p.add_argument("--compile", action="store_true", help="torch.compile the model (slow first boot)")
         p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
                        help="compute dtype (auto: the model's on a GPU, float32 on a CPU; README says why)")

@@ -15,6 +15,14 @@ LOAD_FAILURE_POLICIES = ("fail", "recompute")
 # to the gateway's --local-prefill-max-tokens, 256) starts in the next step instead of
 # after the whole long one.
 DECODE_LONG_PREFILL_TOKENS = 256
+# ... and computes at most this many tokens in any one engine step. vLLM lifts the chunk cap
+# while a prompt is the engine's only request ("nobody to starve"), so without a budget a
+# long prompt sent to an idle decode worker is prefilled in one step, and a short prompt
+# arriving a moment later waits for all of it: seen in the mixed benchmark, interactive
+# prompts of 165-246 tokens sent to a decode worker just after a 1,944- or 1,966-token
+# offline prompt reached their first tokens 2.6-3.0 s later, 0.2-0.7 s after the long
+# one's. Two chunks: one of a long prompt and a short prompt of up to one chunk beside it.
+DECODE_STEP_TOKENS = 2 * DECODE_LONG_PREFILL_TOKENS
 
 
 @dataclass(frozen=True)
@@ -35,6 +43,9 @@ class WorkerConfig:
     block_size: int = 32
     max_model_len: int | None = None
     max_num_seqs: int = 64
+    # Most tokens an engine step computes (vLLM's max_num_batched_tokens); None: twice the
+    # chunk cap on a decode worker that has one (DECODE_STEP_TOKENS by default), vLLM's own
+    # default otherwise.
     max_num_batched_tokens: int | None = None
     # Most tokens of one prompt's prefill in an engine step while other requests run (vLLM's
     # long_prefill_token_threshold; 0: none); None: DECODE_LONG_PREFILL_TOKENS on a decode
@@ -103,6 +114,9 @@ class WorkerConfig:
             raise ValueError(f"worker id may not contain '-' or '/': {self.worker_id!r}")
         if self.long_prefill_tokens is not None and self.long_prefill_tokens < 0:
             raise ValueError(f"--long-prefill-tokens must be >= 0, got {self.long_prefill_tokens}")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < max(self.long_prefill_threshold, 1):
+            raise ValueError(f"--max-num-batched-tokens must be >= 1 and at least --long-prefill-tokens "
+                             f"({self.long_prefill_threshold}), got {self.max_num_batched_tokens}")
 
     @property
     def long_prefill_threshold(self) -> int:
@@ -110,6 +124,17 @@ class WorkerConfig:
         if self.long_prefill_tokens is not None:
             return self.long_prefill_tokens
         return DECODE_LONG_PREFILL_TOKENS if self.role == "decode" else 0
+
+    @property
+    def step_tokens(self) -> int | None:
+        """vLLM's max_num_batched_tokens for this worker's engine (None: vLLM's default):
+        on a decode worker with a chunk cap, twice the cap unless set (DECODE_STEP_TOKENS), and
+        no fewer than its max_num_seqs."""
+        if self.max_num_batched_tokens is not None:
+            return self.max_num_batched_tokens
+        cap = self.long_prefill_threshold
+        # vLLM wants a step to have room for a token of each of its max_num_seqs requests.
+        return max(2 * cap, self.max_num_seqs) if self.role == "decode" and cap > 0 else None
 
 
 CLASSES = ("interactive", "batch", "offline")

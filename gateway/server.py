@@ -370,8 +370,12 @@ class Serving:
             if not tier and self._had_tier is None:
                 # A stack's start: its decode worker often registers before its prefill worker.
                 logger.info("no prefill worker in rotation yet: the decode workers prefill every prompt until one is")
-            elif not tier:
+            elif not tier and any(not w.healthy for w in self._workers.tier("prefill")):
                 logger.warning("no prefill worker in rotation: the decode workers prefill every prompt until one is")
+            elif not tier:
+                # Drained or deregistered (an operator's drain, a stack stopping): no news.
+                logger.info("no prefill worker in rotation (the tier drained): the decode workers prefill every "
+                            "prompt until one is")
             elif self._had_tier is False:
                 logger.info("a prefill worker is in rotation: long prompts go to the prefill tier again")
             self._had_tier = tier

@@ -326,9 +326,11 @@ def test_a_heartbeat_that_brings_a_worker_back_sets_health_at_once_and_a_routine
                                        (serving, [["down"], ["ready"]])]
 
 
-def test_no_prefill_worker_at_a_stacks_start_is_info_and_losing_the_tier_later_warns(caplog):
+def test_no_prefill_worker_at_a_stacks_start_or_after_a_drain_is_info_and_losing_the_tier_warns(caplog):
     """A stack's decode worker often registers before its prefill worker: serving without a
-    tier then is routine (INFO). The tier going away later is news (WARNING), once."""
+    tier then is routine (INFO), and so is the tier draining away (an operator's drain, a
+    stack stopping: CI saw `pdserve up` stopped by Ctrl-C warn of it). The tier lost to a
+    failure (heartbeats missed) is news (WARNING), once."""
     from gateway.registry import RegistryServicer
     from gateway.server import Serving
 
@@ -341,13 +343,21 @@ def test_no_prefill_worker_at_a_stacks_start_is_info_and_losing_the_tier_later_w
                 await registry.Register(worker_pb2.RegisterRequest(info=info(worker_id, role), address=f"{worker_id}:1"),
                                         None)
             await registry.Deregister(worker_pb2.DeregisterRequest(worker_id="p1"), None)
+            await registry.Register(worker_pb2.RegisterRequest(info=info("p2", "prefill"), address="p2:1"), None)
+            await registry.Heartbeat(worker_pb2.HeartbeatRequest(worker_id="d1"), None)
+            pool.by_id("d1").last_heartbeat_s = 5.0  # only p2 falls silent
+            pool.expire_heartbeats(5.0, 3.0)
+            await serving.refresh()
             await serving.refresh()  # the next poll round: said once
         finally:
             await pool.close()
 
     with caplog.at_level(logging.INFO, logger="gateway.server"):
         asyncio.run(scenario())
-    said = [(r.levelname, r.getMessage().split(":")[0]) for r in caplog.records if "prefill worker" in r.getMessage()]
+    said = [(r.levelname, r.getMessage().split(":")[0]) for r in caplog.records
+            if r.name == "gateway.server" and "prefill worker" in r.getMessage()]
     assert said == [("INFO", "no prefill worker in rotation yet"),
+                    ("INFO", "a prefill worker is in rotation"),
+                    ("INFO", "no prefill worker in rotation (the tier drained)"),
                     ("INFO", "a prefill worker is in rotation"),
                     ("WARNING", "no prefill worker in rotation")]

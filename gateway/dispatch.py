@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -119,10 +118,8 @@ class Dispatcher:
         decode = self._workers.decode_loads(now)
         kv_tokens = ticket.num_prompt_tokens + ticket.max_tokens
         if ttft is not None and (rescue := rescue_long(ticket.num_prompt_tokens, kv_tokens, decode,
-                                                       self._placement, self._rescue_rate(now),
-                                                       after_long=True)) is not None:
-            # A decode worker would take it within its slack if the tier cannot start it in
-            # time (after the long prompts filling its steps now, if any: `place`).
+                                                       self._placement, self._rescue_rate(now))) is not None:
+            # A decode worker would take it within its slack if the tier cannot start it in time.
             if rescue.predicted_ttft_s is not None:
                 ttft = min(ttft, rescue.predicted_ttft_s)
         if ticket.num_prompt_tokens <= self._placement.local_prefill_max_tokens:
@@ -245,27 +242,8 @@ class Dispatcher:
         if not older:
             return False
         ticket.rescue_offered = True
-        self._offer_move(min(older, key=lambda t: t.due_s), "ahead of a newer prompt's rescue")
+        self._remote[min(older, key=lambda t: t.due_s)][1].set()
         return True
-
-    def _offer_move(self, ticket: Ticket, why: str) -> None:
-        ticket.move_offered = why
-        self._remote[ticket][1].set()
-
-    def _offer_room(self, worker: Worker) -> None:
-        """A long prompt prefilled on ``worker`` got its first token: its steps have room for
-        another (`DecodeLoad.takes_long_prefill`), so the long prompt on the tier due first
-        that a decode worker may rescue is offered the move now, not at its stall time:
-        `place` sent it to the tier, when long prompts filled the decode workers' steps,
-        with the first token such a move predicts."""
-        if not self._admission:
-            return
-        low, high = self._placement.local_prefill_max_tokens, self._placement.rescue_prefill_max_tokens
-        waiting = [t for t, (_, asked) in self._remote.items()
-                   if not asked.is_set() and low < t.num_prompt_tokens <= high and t.ttft_slo_s is not None]
-        if waiting:
-            self._offer_move(min(waiting, key=lambda t: t.due_s),
-                             f"the room a long prompt's first token left on decode worker {worker.address}")
 
     def remote_started(self, worker: Worker, ticket: Ticket) -> asyncio.Event:
         """A prompt's call to ``worker`` is under way; the event set asks it to try
@@ -486,10 +464,7 @@ class Dispatcher:
             worker.local_latency.observe(max(seat.local_step_tokens - num_cached_tokens, 1),
                                          now - seat.local_start_s, now)
             worker.last_local_prefill_s = now
-            long = seat.local_prefill_tokens > (worker.info.long_prefill_tokens or math.inf)
             seat.local_prefill_tokens = 0
-            if long:
-                self._offer_room(worker)
             self.pump()
 
     def tokens(self, worker: Worker, seat: Seat, num_tokens: int, gap_s: float) -> None:

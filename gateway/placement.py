@@ -96,11 +96,6 @@ class DecodeLoad:
     local_ttft_fit: tuple[float, float] | None = None
     # Most tokens of one prompt's prefill per engine step while others run (0: no cap).
     chunk_tokens: int = 0
-    # Most prompt tokens one engine step computes (vLLM's max_num_batched_tokens; 0: not
-    # told, taken as two chunks, a decode worker's default).
-    step_tokens: int = 0
-    # Local prompts longer than a chunk not yet at their first tokens.
-    long_local_prefills: int = 0
 
     def local_ttft_s(self, num_prompt_tokens: int, fitted_only: bool = False) -> float | None:
         """When a prompt sent here now gets its first token: once the engine has computed
@@ -122,20 +117,6 @@ class DecodeLoad:
     @property
     def idle(self) -> bool:
         return self.num_running == 0
-
-    def takes_long_prefill(self) -> bool:
-        """Whether another prompt longer than a chunk may start its prefill here: only while
-        the steps keep a chunk's room beside the long prompts' chunks for a short prompt.
-        vLLM schedules its running requests' tokens before a new request's, so long prompts
-        whose chunks fill the step hold every new prompt back until one reaches its first
-        token. Seen in the mixed benchmark (twice the chunk cap a step, c6061d6): a 50-token
-        interactive prompt placed on the decode worker while offline prompts of 1,602 and 812
-        tokens moved there prefilled waited 1.74 s for its first token (objective 0.71 s),
-        until the longer one got its own. No cap: a long prompt runs whole in one step."""
-        if self.chunk_tokens <= 0:
-            return True
-        step = self.step_tokens or 2 * self.chunk_tokens
-        return (self.long_local_prefills + 2) * self.chunk_tokens <= step
 
 
 def local_step_tokens(pending_tokens: int, num_prompt_tokens: int, chunk_tokens: int) -> int:
@@ -186,13 +167,6 @@ def place(num_prompt_tokens: int, kv_tokens: int, prefill: list[PrefillLoad], de
                 rescue = _best_local(num_prompt_tokens, kv_tokens, decode, cfg, within_slack=False)
         elif remote is None or (remote.predicted_ttft_s is not None and remote.predicted_ttft_s > ttft_budget_s):
             rescue = rescue_long(num_prompt_tokens, kv_tokens, decode, cfg, rescue_rate)
-            if rescue is None and remote is not None:
-                # Long prompts fill a decode worker's steps now: the prompt waits on the tier
-                # to be moved there once one of them has its first token (the dispatcher offers
-                # it the room), at the time that move predicts.
-                later = rescue_long(num_prompt_tokens, kv_tokens, decode, cfg, rescue_rate, after_long=True)
-                if later is not None and later.predicted_ttft_s is not None and later.predicted_ttft_s <= ttft_budget_s:
-                    return replace(remote, predicted_ttft_s=later.predicted_ttft_s)
         if rescue is not None and rescue.predicted_ttft_s is not None and rescue.predicted_ttft_s <= ttft_budget_s:
             return rescue
     if local is None or remote is None:
@@ -221,12 +195,9 @@ def place_without_tier(num_prompt_tokens: int, kv_tokens: int, decode: list[Deco
 
 
 def rescue_long(num_prompt_tokens: int, kv_tokens: int, decode: list[DecodeLoad],
-                cfg: PlacementConfig, rescue_rate: float | None = None, after_long: bool = False) -> Placement | None:
+                cfg: PlacementConfig, rescue_rate: float | None = None) -> Placement | None:
     """The decode worker that would prefill a prompt longer than the local limit (up to the
     rescue limit) soonest, idle or within its running requests' slack; None: none can.
-    ``after_long``: also a worker whose steps long prompts fill now
-    (`DecodeLoad.takes_long_prefill`), the prompt starting there after them (its predicted
-    first token counts their pending tokens and its own).
 
     A decode worker that has prefilled nothing itself lately (no short prompts come, as in
     a workload of long ones only) has no rate to judge a rescue by; ``rescue_rate`` (the
@@ -236,8 +207,7 @@ def rescue_long(num_prompt_tokens: int, kv_tokens: int, decode: list[DecodeLoad]
         return None
     if rescue_rate:
         decode = [d if d.local_tokens_per_s else replace(d, local_tokens_per_s=rescue_rate) for d in decode]
-    return _best_local(num_prompt_tokens, kv_tokens, decode, cfg, max_tokens=cfg.rescue_prefill_max_tokens,
-                       after_long=after_long)
+    return _best_local(num_prompt_tokens, kv_tokens, decode, cfg, max_tokens=cfg.rescue_prefill_max_tokens)
 
 
 def stalled_after_s(num_prompt_tokens: int, predicted_ttft_s: float | None, cfg: PlacementConfig,
@@ -315,10 +285,8 @@ def _best_remote(num_prompt_tokens: int, prefill: list[PrefillLoad], cfg: Placem
 
 
 def _best_local(num_prompt_tokens: int, kv_tokens: int, decode: list[DecodeLoad],
-                cfg: PlacementConfig, within_slack: bool = True, max_tokens: int | None = None,
-                after_long: bool = False) -> Placement | None:
+                cfg: PlacementConfig, within_slack: bool = True, max_tokens: int | None = None) -> Placement | None:
     """The decode worker whose local prefill gives the soonest first token: with a seat,
-    room in its steps for a prompt longer than a chunk (`DecodeLoad.takes_long_prefill`),
     and idle or with running requests that absorb the stall (``within_slack``); None for a
     prompt over ``max_tokens`` (default: the local prefill limit)."""
     if num_prompt_tokens > (cfg.local_prefill_max_tokens if max_tokens is None else max_tokens):
@@ -326,8 +294,6 @@ def _best_local(num_prompt_tokens: int, kv_tokens: int, decode: list[DecodeLoad]
     best: tuple[tuple[float, int], Placement] | None = None
     for d in decode:
         if not d.has_seat(kv_tokens):
-            continue
-        if num_prompt_tokens > d.chunk_tokens > 0 and not after_long and not d.takes_long_prefill():
             continue
         stall_s = num_prompt_tokens / d.local_tokens_per_s if d.local_tokens_per_s else None
         if not d.idle and (stall_s is None or (within_slack and stall_s > d.slack_s)):

@@ -69,9 +69,6 @@ class Ticket:
     # Held back once from a rescue on a decode worker while an older prompt was offered it
     # (gateway.dispatch: `_offer_rescue_to_older`).
     rescue_offered: bool = False
-    # Why its prefill on the tier was last offered a move to a decode worker ahead of its
-    # stall time (for the log); "": never.
-    move_offered: str = ""
 
     @property
     def due_s(self) -> float:

@@ -258,7 +258,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                     logger.info("request %s: prefill worker %s did not answer in %.2f s (predicted %s%s); "
                                 "prefilling on decode worker %s", job.request_id, worker.address, waited_s,
                                 _seconds(grant.placement.predicted_ttft_s),
-                                f", offered {ticket.move_offered}" if offered else "",
+                                ", offered ahead of a newer prompt's rescue" if offered else "",
                                 local.placement.worker)
                     return local
                 if offered:

@@ -184,8 +184,6 @@ class Worker:
             slack_s=slack,
             local_ttft_fit=self.local_latency.fit(now_s),
             chunk_tokens=self.info.long_prefill_tokens,
-            step_tokens=self.info.step_tokens,
-            long_local_prefills=sum(1 for s in self.seats if s.local_prefill_tokens > self.info.long_prefill_tokens),
         )
 
 

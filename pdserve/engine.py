@@ -163,7 +163,6 @@ def worker_info(engine: AsyncLLM, cfg: WorkerConfig) -> worker_pb2.WorkerInfo:
         kv_capacity_tokens=(cache.num_gpu_blocks or 0) * cache.block_size,
         max_num_seqs=engine.vllm_config.scheduler_config.max_num_seqs,
         long_prefill_tokens=engine.vllm_config.scheduler_config.long_prefill_token_threshold,
-        step_tokens=engine.vllm_config.scheduler_config.max_num_batched_tokens,
     )
 
 

@@ -61,7 +61,7 @@ class EngineSampling(_message.Message):
     def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., stream_interval: _Optional[int] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "role", "model", "max_model_len", "layout", "transports", "vocab_size", "eos_token_id", "host_id", "kv_device", "kv_capacity_tokens", "max_num_seqs", "long_prefill_tokens", "step_tokens")
+    __slots__ = ("worker_id", "role", "model", "max_model_len", "layout", "transports", "vocab_size", "eos_token_id", "host_id", "kv_device", "kv_capacity_tokens", "max_num_seqs", "long_prefill_tokens")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -75,7 +75,6 @@ class WorkerInfo(_message.Message):
     KV_CAPACITY_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
     LONG_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    STEP_TOKENS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     model: str
@@ -89,8 +88,7 @@ class WorkerInfo(_message.Message):
     kv_capacity_tokens: int
     max_num_seqs: int
     long_prefill_tokens: int
-    step_tokens: int
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., transports: _Optional[_Iterable[str]] = ..., vocab_size: _Optional[int] = ..., eos_token_id: _Optional[int] = ..., host_id: _Optional[str] = ..., kv_device: _Optional[str] = ..., kv_capacity_tokens: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., long_prefill_tokens: _Optional[int] = ..., step_tokens: _Optional[int] = ...) -> None: ...
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., transports: _Optional[_Iterable[str]] = ..., vocab_size: _Optional[int] = ..., eos_token_id: _Optional[int] = ..., host_id: _Optional[str] = ..., kv_device: _Optional[str] = ..., kv_capacity_tokens: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., long_prefill_tokens: _Optional[int] = ...) -> None: ...
 
 class InfoRequest(_message.Message):
     __slots__ = ()

@@ -50,13 +50,6 @@ def test_workers_report_their_kv_layout(stack):
     assert set(prefill.transports) == {"shm", "tcp", "nccl"} and prefill.host_id == decode.host_id
 
 
-def test_workers_report_their_chunk_cap_and_step(stack):
-    """Placement keeps a decode worker's steps room for a short prompt by these."""
-    prefill, decode = stack.worker_info("prefill"), stack.worker_info("decode")
-    assert (decode.long_prefill_tokens, decode.step_tokens) == (256, 512)
-    assert prefill.long_prefill_tokens == 0 and prefill.step_tokens > 0
-
-
 def test_no_kv_handoff_is_left_behind_once_requests_finish(stack):
     producer = stack.worker_info("prefill").worker_id
     deadline = time.monotonic() + 10

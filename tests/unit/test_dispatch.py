@@ -418,34 +418,3 @@ def test_a_prompt_past_its_objective_on_the_tier_moves_within_slack_only_while_n
         return kept, moved.placement.where, (p0.queued_tokens, p0.num_prefills)
 
     assert run(scenario()) == (None, Where.LOCAL, (0, 0))
-
-
-def test_a_long_prompt_waits_on_the_tier_while_another_fills_the_decode_steps_and_is_offered_the_room_after():
-    async def scenario():
-        d, pool, clock = dispatcher(ttft=3.0)
-        d0, p0 = pool.by_address("d0"), pool.by_address("p0")
-        d0.info.long_prefill_tokens, d0.info.step_tokens = 256, 512  # two chunks a step
-        running = d._seat(ticket("running", 1000))
-        running.first_token_s = 99.0
-        d0.seats.add(running)
-        p0.prefill_meter.start(80.0, contended=False)
-        p0.prefill_meter.finish(2000, 82.0, contended=False)  # 1,000 tok/s with decode idle
-        p0.prefill_meter.start(90.0, contended=True)
-        p0.prefill_meter.finish(1000, 100.0, contended=True)  # 100 tok/s beside decode
-        first = await d.acquire(ticket("first", 800, ttft=3.0))  # 8 s on the tier: rescued
-        second_ticket = ticket("second", 800, ttft=3.0)
-        d.admit(second_ticket)  # admitted on the move it will be offered (1.6 s), not the tier's 8 s
-        second = await d.acquire(second_ticket)
-        asked = d.remote_started(p0, second_ticket)
-        waited = (second.placement.where, second.placement.predicted_ttft_s, asked.is_set())
-        clock.now = 100.8
-        d.first_token(d0, first.seat, 1, 0)
-        offered = (asked.is_set(), second_ticket.move_offered)
-        moved = d.move_stalled(p0, second_ticket, waited_s=0.8, offered=True)
-        return first.placement.where, waited, offered, moved.placement.where, p0.queued_tokens
-
-    first, waited, offered, moved, queued = run(scenario())
-    assert first is Where.LOCAL
-    assert waited == (Where.REMOTE, pytest.approx(1.6), False)
-    assert offered == (True, "the room a long prompt's first token left on decode worker d0")
-    assert (moved, queued) == (Where.LOCAL, 0)

@@ -101,42 +101,6 @@ def test_rescue_long_is_for_prompts_between_the_local_and_the_rescue_limits():
     assert rescue_long(800, 900, [decode(running=1, tps=1000.0, slack=0.5)], CFG) is None
 
 
-def test_a_long_prompt_is_not_rescued_where_long_prefills_already_fill_the_steps():
-    # Chunks of 256 in steps of 512: one long prompt prefilling there leaves a chunk's room
-    # for a short prompt; a second would fill every step until one reached its first token.
-    chunked = decode(running=2, local_tokens=1602, tps=1000.0, slack=3.0)
-    chunked = replace(chunked, chunk_tokens=256, step_tokens=512, long_local_prefills=1)
-    starved = [prefill(tps=200.0)]
-    assert not chunked.takes_long_prefill()
-    assert rescue_long(812, 900, [chunked], CFG) is None
-    # It waits on the tier to be moved there after the long one (the dispatcher offers it
-    # the room), at the first token that predicts: the pending and its own tokens there.
-    waits = place(812, 900, starved, [chunked], CFG, ttft_budget_s=3.0)  # the tier: 4.06 s
-    assert (waits.where, waits.predicted_ttft_s) == (Where.REMOTE, pytest.approx((1602 + 812) / 1000))
-    assert rescue_long(812, 900, [chunked], CFG, after_long=True).predicted_ttft_s == pytest.approx(2.414)
-    # Unless that misses its objective too: the tier's own prediction then stands.
-    assert place(812, 900, starved, [chunked], CFG, ttft_budget_s=2.0).predicted_ttft_s == pytest.approx(812 / 200)
-    assert move_stalled(812, 900, [chunked], CFG, ttft_budget_s=3.0) is None
-    assert move_stalled(812, 900, [chunked], CFG, ttft_budget_s=-1.0) is None  # late: no more
-    # A short prompt still takes the room beside the long one.
-    short = place(50, 100, [prefill(tps=100.0)], [chunked], CFG)  # the tier: 0.5 s
-    assert (short.where, short.predicted_ttft_s) == (Where.LOCAL, pytest.approx((256 + 50) / 1000))
-    # Once the long one has its first token, or with steps of four chunks, a second may start.
-    for free in (replace(chunked, long_local_prefills=0), replace(chunked, step_tokens=1024)):
-        assert free.takes_long_prefill()
-        assert rescue_long(812, 900, [free], CFG).worker == "d0"
-    assert replace(chunked, step_tokens=1024, long_local_prefills=2).takes_long_prefill()  # 3 + a chunk
-    assert not replace(chunked, step_tokens=1024, long_local_prefills=3).takes_long_prefill()
-    # Not told the step (an older worker): two chunks, a decode worker's default.
-    assert not replace(chunked, step_tokens=0).takes_long_prefill()
-    assert replace(chunked, step_tokens=0, long_local_prefills=0).takes_long_prefill()
-    # No chunk cap: a long prompt runs whole in one step, so nothing is held for a short one.
-    assert replace(chunked, chunk_tokens=0).takes_long_prefill()
-    # Another decode worker with room takes it.
-    other = replace(chunked, worker="d1", long_local_prefills=0)
-    assert rescue_long(812, 900, [chunked, other], CFG).worker == "d1"
-
-
 def test_short_prompt_goes_remote_when_that_finishes_sooner():
     # Decode prefills at 50 tok/s with 100 tokens of its own pending; the prefill tier is free.
     p = place(100, 200, [prefill(tps=400.0)], [decode(running=2, local_tokens=100, tps=50.0)], CFG)

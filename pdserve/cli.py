@@ -99,6 +99,7 @@ def cmd_worker(args) -> int:
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         long_prefill_tokens=args.long_prefill_tokens,
+        long_prefill_adaptive=args.long_prefill_adaptive,
         max_num_batched_tokens=args.max_num_batched_tokens,
         enforce_eager=not args.compile,
         dtype=args.dtype,
@@ -257,12 +258,17 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--max-num-seqs", type=int, default=64)
         p.add_argument("--long-prefill-tokens", type=int, default=None,
                        help="most tokens of one prompt's prefill per engine step while other requests run "
-                            "(0: no cap; default: 256 on a decode worker, so a short prompt need not wait "
-                            "for a long one to finish, none on a prefill worker)")
+                            "(0: no cap; default: 128, adaptive, on a decode worker, so a short prompt need "
+                            "not wait for a long one to finish, none on a prefill worker)")
+        p.add_argument("--long-prefill-adaptive", action=argparse.BooleanOptionalAction, default=None,
+                       help="treat --long-prefill-tokens as a floor: with n requests on the engine a long "
+                            "prompt's chunk is max(cap, step / n), so a short prompt has room in a step "
+                            "beside two long ones (vLLM's long_prefill_token_threshold_adaptive; default: "
+                            "on with the decode worker's default cap)")
         p.add_argument("--max-num-batched-tokens", type=int, default=None,
-                       help="most tokens one engine step computes (vLLM's; default: twice --long-prefill-tokens "
-                            "on a decode worker, as vLLM lifts that cap for a prompt alone on the engine; "
-                            "vLLM's own default on a prefill worker)")
+                       help="most tokens one engine step computes (vLLM's; default on a decode worker: 512, "
+                            "or twice --long-prefill-tokens when given, as vLLM lifts that cap for a prompt "
+                            "alone on the engine; vLLM's own default on a prefill worker)")
         p.add_argument("--compile", action="store_true", help="torch.compile the model (slow first boot)")
         p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
                        help="compute dtype (auto: the model's on a GPU, float32 on a CPU; README says why)")

@@ -10,19 +10,22 @@ KV_TRANSPORTS = ("shm", "tcp", "nccl", "cuda_ipc")
 LOAD_FAILURE_POLICIES = ("fail", "recompute")
 
 
-# A decode worker prefills a long prompt (a rescue) in chunks of at most this many tokens
-# per engine step while other requests run, so that a short prompt arriving meanwhile (up
-# to the gateway's --local-prefill-max-tokens, 256) starts in the next step instead of
-# after the whole long one.
-DECODE_LONG_PREFILL_TOKENS = 256
+# A decode worker prefills a long prompt (a rescue) in chunks of at least this many tokens
+# per engine step while other requests run (vLLM's long_prefill_token_threshold, adaptive:
+# with n requests on the engine a chunk is max(cap, step / n)), so that a short prompt
+# arriving meanwhile (up to the gateway's --local-prefill-max-tokens, 256) starts in the
+# next step instead of after the long ones.
+DECODE_LONG_PREFILL_TOKENS = 128
 # ... and computes at most this many tokens in any one engine step. vLLM lifts the chunk cap
 # while a prompt is the engine's only request ("nobody to starve"), so without a budget a
 # long prompt sent to an idle decode worker is prefilled in one step, and a short prompt
 # arriving a moment later waits for all of it: seen in the mixed benchmark, interactive
 # prompts of 165-246 tokens sent to a decode worker just after a 1,944- or 1,966-token
 # offline prompt reached their first tokens 2.6-3.0 s later, 0.2-0.7 s after the long
-# one's. Two chunks: one of a long prompt and a short prompt of up to one chunk beside it.
-DECODE_STEP_TOKENS = 2 * DECODE_LONG_PREFILL_TOKENS
+# one's. With a fixed cap of 256 and this step, two long prompts' chunks filled every step
+# and a short prompt waited for both (scripts/chunk_probe.py with LONGS=2: 6.99 s behind two
+# 1,900-token prompts; 0.72 s with the adaptive cap of 128, docs/benchmarks.md).
+DECODE_STEP_TOKENS = 512
 
 
 @dataclass(frozen=True)
@@ -51,6 +54,11 @@ class WorkerConfig:
     # long_prefill_token_threshold; 0: none); None: DECODE_LONG_PREFILL_TOKENS on a decode
     # worker, none on a prefill worker.
     long_prefill_tokens: int | None = None
+    # The chunk cap as a floor: with n requests on the engine a long prompt's chunk is
+    # max(cap, step / n) (vLLM's long_prefill_token_threshold_adaptive), so a short prompt
+    # finds room in a step beside two long prompts' chunks.
+    # None: on where the cap is DECODE_LONG_PREFILL_TOKENS by default (a decode worker).
+    long_prefill_adaptive: bool | None = None
     enforce_eager: bool = True
     enable_prefix_caching: bool = True
     # Compute (and KV) dtype; "auto": the model's on hardware with native bf16/fp16 math,
@@ -126,15 +134,25 @@ class WorkerConfig:
         return DECODE_LONG_PREFILL_TOKENS if self.role == "decode" else 0
 
     @property
+    def adaptive_chunks(self) -> bool:
+        """vLLM's long_prefill_token_threshold_adaptive for this worker's engine."""
+        if self.long_prefill_adaptive is not None:
+            return self.long_prefill_adaptive and self.long_prefill_threshold > 0
+        return self.role == "decode" and self.long_prefill_tokens is None
+
+    @property
     def step_tokens(self) -> int | None:
-        """vLLM's max_num_batched_tokens for this worker's engine (None: vLLM's default):
-        on a decode worker with a chunk cap, twice the cap unless set (DECODE_STEP_TOKENS), and
-        no fewer than its max_num_seqs."""
+        """vLLM's max_num_batched_tokens for this worker's engine (None: vLLM's default): on
+        a decode worker with a chunk cap, unless set, DECODE_STEP_TOKENS with the default cap
+        and twice a cap given, and no fewer than its max_num_seqs."""
         if self.max_num_batched_tokens is not None:
             return self.max_num_batched_tokens
         cap = self.long_prefill_threshold
+        if self.role != "decode" or cap <= 0:
+            return None
+        step = DECODE_STEP_TOKENS if self.long_prefill_tokens is None else 2 * cap
         # vLLM wants a step to have room for a token of each of its max_num_seqs requests.
-        return max(2 * cap, self.max_num_seqs) if self.role == "decode" and cap > 0 else None
+        return max(step, self.max_num_seqs)
 
 
 CLASSES = ("interactive", "batch", "offline")

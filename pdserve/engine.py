@@ -74,6 +74,7 @@ def build_engine(cfg: WorkerConfig, stat_loggers: list | None = None) -> AsyncLL
         max_num_seqs=cfg.max_num_seqs,
         max_num_batched_tokens=cfg.step_tokens,
         long_prefill_token_threshold=cfg.long_prefill_threshold,
+        long_prefill_token_threshold_adaptive=cfg.adaptive_chunks,
         enforce_eager=cfg.enforce_eager,
         enable_prefix_caching=cfg.enable_prefix_caching,
         kv_transfer_config=kv_config,
@@ -162,8 +163,19 @@ def worker_info(engine: AsyncLLM, cfg: WorkerConfig) -> worker_pb2.WorkerInfo:
         kv_device=_device_type(engine.vllm_config.device_config.device),
         kv_capacity_tokens=(cache.num_gpu_blocks or 0) * cache.block_size,
         max_num_seqs=engine.vllm_config.scheduler_config.max_num_seqs,
-        long_prefill_tokens=engine.vllm_config.scheduler_config.long_prefill_token_threshold,
+        long_prefill_tokens=reported_chunk(engine.vllm_config.scheduler_config),
     )
+
+
+def reported_chunk(scheduler_config) -> int:
+    """The chunk a long prompt's prefill takes in a step beside one other request (what the
+    gateway counts ahead of a short prompt sent to this engine, placement.local_step_tokens):
+    the chunk cap, or with an adaptive cap (a floor: max(cap, step / n) with n requests) half
+    the step."""
+    cap = scheduler_config.long_prefill_token_threshold
+    if cap > 0 and scheduler_config.long_prefill_token_threshold_adaptive:
+        return max(cap, scheduler_config.max_num_batched_tokens // 2)
+    return cap
 
 
 def host_id() -> str:

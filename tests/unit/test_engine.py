@@ -17,7 +17,7 @@ def test_a_decode_engine_chunks_long_prefills_and_a_prefill_engine_does_not():
 
     from pdserve.config import DECODE_LONG_PREFILL_TOKENS, WorkerConfig
 
-    assert WorkerConfig(role="decode", model="m").long_prefill_threshold == DECODE_LONG_PREFILL_TOKENS == 256
+    assert WorkerConfig(role="decode", model="m").long_prefill_threshold == DECODE_LONG_PREFILL_TOKENS == 128
     assert WorkerConfig(role="prefill", model="m").long_prefill_threshold == 0
     assert WorkerConfig(role="decode", model="m", long_prefill_tokens=0).long_prefill_threshold == 0
     assert WorkerConfig(role="prefill", model="m", long_prefill_tokens=512).long_prefill_threshold == 512
@@ -25,7 +25,7 @@ def test_a_decode_engine_chunks_long_prefills_and_a_prefill_engine_does_not():
         WorkerConfig(role="decode", model="m", long_prefill_tokens=-1)
 
 
-def test_a_decode_engine_steps_at_most_two_chunks_so_a_lone_long_prompt_is_chunked_too():
+def test_a_decode_engine_steps_at_most_512_tokens_so_a_lone_long_prompt_is_chunked_too():
     """vLLM lifts the chunk cap for a prompt alone on the engine; the step budget chunks it."""
     import pytest
 
@@ -38,4 +38,29 @@ def test_a_decode_engine_steps_at_most_two_chunks_so_a_lone_long_prompt_is_chunk
     assert WorkerConfig(role="prefill", model="m").step_tokens is None
     assert WorkerConfig(role="decode", model="m", max_num_batched_tokens=2048).step_tokens == 2048
     with pytest.raises(ValueError, match="at least --long-prefill-tokens"):
-        WorkerConfig(role="decode", model="m", max_num_batched_tokens=128)
+        WorkerConfig(role="decode", model="m", max_num_batched_tokens=64)
+
+
+def test_the_decode_engines_default_cap_is_a_floor_and_the_gateway_is_told_the_chunk_beside_one_request():
+    """Adaptive (max(cap, step / n) with n requests) by default on a decode worker, so that
+    two long prompts' chunks leave a short prompt room; a cap given is fixed unless asked."""
+    from types import SimpleNamespace
+
+    from pdserve.config import WorkerConfig
+    from pdserve.engine import reported_chunk
+
+    assert WorkerConfig(role="decode", model="m").adaptive_chunks
+    assert not WorkerConfig(role="prefill", model="m").adaptive_chunks
+    assert not WorkerConfig(role="decode", model="m", long_prefill_tokens=256).adaptive_chunks
+    assert WorkerConfig(role="decode", model="m", long_prefill_tokens=256, long_prefill_adaptive=True).adaptive_chunks
+    assert not WorkerConfig(role="decode", model="m", long_prefill_adaptive=False).adaptive_chunks
+    assert not WorkerConfig(role="decode", model="m", long_prefill_tokens=0, long_prefill_adaptive=True).adaptive_chunks
+
+    def sched(cap, adaptive, step):
+        return SimpleNamespace(long_prefill_token_threshold=cap, long_prefill_token_threshold_adaptive=adaptive,
+                               max_num_batched_tokens=step)
+
+    assert reported_chunk(sched(128, True, 512)) == 256  # beside one other request: 512 / 2
+    assert reported_chunk(sched(384, True, 512)) == 384
+    assert reported_chunk(sched(256, False, 512)) == 256
+    assert reported_chunk(sched(0, True, 2048)) == 0

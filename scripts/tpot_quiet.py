@@ -2,38 +2,27 @@
 JSONs, per system and rate: minimum, first quartile and median, to tell a slower decode
 step (every short prompt slower) from placement (a few slower beside long prefills).
 
-    python scripts/tpot_quiet.py FILE [FILE ...]"""
+    .venv/bin/python scripts/tpot_quiet.py FILE [FILE ...]"""
 
 import json
 import statistics
 import sys
 
+from pdserve.bench.compare_report import saved_runs
 
-def tpots_ms(records, max_prompt=300):
-    out = []
-    for r in records:
-        chunks = r.get("chunks") or []
-        n = r.get("output_tokens") or 0
-        if r.get("error") or not chunks or r["prompt_len"] > max_prompt or n < 2:
-            continue
-        ttft = chunks[0]["time_s"] - r["send_s"]
-        out.append((r["done_s"] - r["send_s"] - ttft) / (n - 1) * 1000)
-    return out
+MAX_PROMPT_TOKENS = 300
 
 
 def main() -> None:
     for path in sys.argv[1:]:
-        d = json.load(open(path))
-        for system, runs in d["detail"].items():
-            if system == "unloaded":
+        for system, rate, records in saved_runs(json.load(open(path))["detail"]):
+            t = [r.tpot_s * 1000 for r in records
+                 if r.error is None and r.tpot_s is not None and r.prompt_len <= MAX_PROMPT_TOKENS]
+            if len(t) < 2:
+                print(f"{path} {system} {rate}: {len(t)} short prompts served")
                 continue
-            for run in runs:
-                t = tpots_ms(run["records"])
-                if len(t) < 2:
-                    print(f"{path} {system} {run['rate_rps']}: {len(t)} short prompts served")
-                    continue
-                print(f"{path} {system} {run['rate_rps']} req/s: {len(t)} short prompts, TPOT min "
-                      f"{min(t):.1f} p25 {statistics.quantiles(t, n=4)[0]:.1f} p50 {statistics.median(t):.1f} ms")
+            print(f"{path} {system} {rate} req/s: {len(t)} short prompts, TPOT min "
+                  f"{min(t):.1f} p25 {statistics.quantiles(t, n=4)[0]:.1f} p50 {statistics.median(t):.1f} ms")
 
 
 if __name__ == "__main__":

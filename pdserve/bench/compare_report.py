@@ -21,11 +21,12 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
 from pdserve.bench.metrics import DISTSERVE_TARGET, LatencyStats, Summary
 from pdserve.bench.presets import INTERACTIVE
+from pdserve.bench.record import RequestRecord
 from pdserve.bench.report import jsonable
 from pdserve.bench.runner import RunResult
 from pdserve.bench.search import SearchOutcome, SearchStatus
@@ -258,6 +259,16 @@ def detail_dict(result: CompareResult) -> dict:
             **{name: [{"rate_rps": r.load.rate_rps,
                        "records": [dataclasses.asdict(x) for x in r.records]} for r in s.runs]
                for name, s in result.systems.items()}}
+
+
+def saved_runs(detail: dict) -> Iterator[tuple[str, float, list[RequestRecord]]]:
+    """Each system's measured rates from a `detail_dict` read back (a compare JSON's
+    "detail"): (system, rate, records); the unloaded run has no rate and is left out."""
+    for name, runs in detail.items():
+        if name == "unloaded":
+            continue
+        for run in runs:
+            yield name, run["rate_rps"], [RequestRecord.from_dict(r) for r in run["records"]]
 
 
 # ---------------------------------------------------------------- table ------------------

@@ -36,6 +36,11 @@ class RequestRecord:
     # local/remote/moved and the workers' addresses, without the "pdserve-" prefix).
     route: dict[str, str] = field(default_factory=dict)
 
+    @classmethod
+    def from_dict(cls, d: dict) -> RequestRecord:
+        """The inverse of dataclasses.asdict: a record as `--save-records` wrote it."""
+        return cls(**{**d, "chunks": [Chunk(**c) for c in d["chunks"]]})
+
     @property
     def ok(self) -> bool:
         return self.error is None and self.done_s is not None

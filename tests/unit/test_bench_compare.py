@@ -22,7 +22,7 @@ from pdserve.bench.compare import (
     rate_content_seed,
     requests_at,
 )
-from pdserve.bench.compare_report import compare_dict, detail_dict, format_compare, policy_rate
+from pdserve.bench.compare_report import compare_dict, detail_dict, format_compare, policy_rate, saved_runs
 from pdserve.bench.loadgen import LoadConfig
 from pdserve.bench.metrics import SLO, SLOTable, summarize_run
 from pdserve.bench.presets import preset_workload
@@ -157,6 +157,11 @@ def test_mixed_policy_compares_interactive_at_fifos_first_failing_rate(tmp_path)
         format_compare(doc)
     detail = detail_dict(result)
     assert [len(x["records"]) for x in detail["pdserve-fifo"]] == [12, 12]
+    # Read back from JSON (scripts/class_attainment.py): the records as they were, by rate.
+    back = list(saved_runs(json.loads(json.dumps(detail))))
+    assert [(name, rate) for name, rate, _ in back] == [(name, r.load.rate_rps) for name, s in result.systems.items()
+                                                        for r in s.runs]
+    assert [records for _, _, records in back] == [r.records for s in result.systems.values() for r in s.runs]
 
 
 def test_plan_derives_start_from_unloaded_e2e_and_floor_one_step_below():

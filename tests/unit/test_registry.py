@@ -344,7 +344,6 @@ def test_no_prefill_worker_at_a_stacks_start_or_after_a_drain_is_info_and_losing
                                         None)
             await registry.Deregister(worker_pb2.DeregisterRequest(worker_id="p1"), None)
             await registry.Register(worker_pb2.RegisterRequest(info=info("p2", "prefill"), address="p2:1"), None)
-            await registry.Heartbeat(worker_pb2.HeartbeatRequest(worker_id="d1"), None)
             pool.by_id("d1").last_heartbeat_s = 5.0  # only p2 falls silent
             pool.expire_heartbeats(5.0, 3.0)
             await serving.refresh()

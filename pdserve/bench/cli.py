@@ -202,9 +202,16 @@ def _add_output_args(p: argparse.ArgumentParser) -> None:
 
 def _add_compare_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("systems")
-    g.add_argument("--systems", help="some of vllm,pdserve-fifo,pdserve,pdserve-whole (run in "
-                   "that order; pdserve-whole: --decode-yield whole); default vllm,pdserve, "
-                   "with --workload mixed vllm,pdserve-fifo,pdserve")
+    g.add_argument("--systems", help="some of vllm,pdserve-fifo,pdserve and the variants "
+                   "(run in that order; pdserve-whole: the variant --decode-yield whole); default "
+                   "vllm,pdserve, with --workload mixed vllm,pdserve-fifo,pdserve, and each "
+                   "--variant")
+    g.add_argument("--variant", action="append", default=[], metavar="NAME[@SOURCE]=FLAGS",
+                   help="also measure pdserve-NAME, turn by turn with the others on the same "
+                        "requests: `pdserve up` with FLAGS added, from the checkout at SOURCE "
+                        "(default: this one); the JSON's ab_pdserve-NAME pairs it request by "
+                        "request with pdserve. Repeatable. E.g. "
+                        "--variant 'fixed=--no-long-prefill-adaptive' or --variant 'base@../base='")
     g.add_argument("--vllm-cpus", default="0-1", help="VLLM_CPU_OMP_THREADS_BIND for vLLM")
     g.add_argument("--vllm-kv-cache-gib", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE")
     g.add_argument("--pdserve-target", help="benchmark this running pdserve instead of starting one")
@@ -298,11 +305,12 @@ def bench_config(args: argparse.Namespace) -> BenchConfig:
 
 
 def compare_config(args: argparse.Namespace, model: Path) -> CompareConfig:
-    from pdserve.bench.compare import CompareConfig, SearchPlan, default_systems
+    from pdserve.bench.compare import CompareConfig, SearchPlan, Variant, default_systems
 
     workload_name = args.workload or "short"
     systems = (tuple(s.strip() for s in args.systems.split(",") if s.strip()) if args.systems
                else default_systems(workload_name))
+    variants = tuple(Variant.parse(spec) for spec in args.variant)
     plan = SearchPlan(args.start_rps, args.floor_rps, args.step_factor, args.bisections,
                       args.max_up_steps, args.budget_min * 60, args.calibration_requests)
     return CompareConfig(
@@ -311,7 +319,7 @@ def compare_config(args: argparse.Namespace, model: Path) -> CompareConfig:
         vllm_kv_cache_gib=args.vllm_kv_cache_gib, pdserve_target=args.pdserve_target,
         vllm_url=args.vllm_url, boot_timeout_s=args.boot_timeout_s,
         sequential=args.sequential, freeze_idle=args.idle_systems == "freeze",
-        min_duration_s=args.min_duration_s)
+        min_duration_s=args.min_duration_s, variants=variants)
 
 
 def _write_json(doc: dict, where: str) -> None:

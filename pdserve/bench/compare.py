@@ -37,6 +37,9 @@ import asyncio
 import dataclasses
 import math
 import os
+import re
+import shlex
+import subprocess
 import sys
 import time
 from collections import Counter
@@ -54,9 +57,10 @@ from pdserve.bench.search import RateSearch, SearchConfig, SearchOutcome, round_
 from pdserve.bench.servers import ServerError, ServerProcess, ServerSpec, free_port
 
 # The order systems run in: vLLM calibrates; fifo before slo so that pdserve (slo) can be
-# measured at the rate where fifo failed its interactive class. pdserve-whole is pdserve
-# with `--decode-yield whole`, for an interleaved A/B of that mode against the default.
-SYSTEMS = ("vllm", "pdserve-fifo", "pdserve", "pdserve-whole")
+# measured at the rate where fifo failed its interactive class. Variants (`Variant`,
+# pdserve-NAME) run after them, in the order given.
+SYSTEMS = ("vllm", "pdserve-fifo", "pdserve")
+VARIANT_PREFIX = "pdserve-"
 DEFAULT_NUM_REQUESTS = 40
 # Each measured rate lasts at least this long (more requests than `num_requests` at high
 # rates): this machine's speed moves by a quarter in phases of tens of seconds, and 40
@@ -75,6 +79,69 @@ CALIBRATION_SEED_OFFSET = 2_000_003  # keeps the unloaded run's prompts apart
 
 def default_systems(workload_name: str) -> tuple[str, ...]:
     return ("vllm", "pdserve-fifo", "pdserve") if workload_name == "mixed" else ("vllm", "pdserve")
+
+
+@dataclass(slots=True, frozen=True)
+class Variant:
+    """Another pdserve measured beside the default one, turn by turn on the same requests:
+    system pdserve-NAME, `pdserve up` with ``flags`` added, from the checkout at ``source``
+    (None: this one). This machine's speed drifts by a fifth within an hour, so two
+    compares run one after the other cannot judge a change of a few requests in 40; an
+    interleaved A/B can (`--variant`)."""
+
+    name: str
+    flags: tuple[str, ...] = ()
+    source: Path | None = None
+
+    @property
+    def system(self) -> str:
+        return VARIANT_PREFIX + self.name
+
+    @classmethod
+    def parse(cls, spec: str) -> "Variant":
+        """NAME[@SOURCE]=FLAGS, e.g. `fixed=--long-prefill-tokens 256 --no-long-prefill-adaptive`
+        or `base@/work/wt/base=` (the checkout at /work/wt/base, no flags)."""
+        head, sep, flags = spec.partition("=")
+        name, at, source = head.partition("@")
+        name = name.strip()
+        if not sep or not re.fullmatch(r"[a-z0-9][a-z0-9_]*", name) or name == "fifo":
+            raise ValueError(f"variant {spec!r}: want NAME[@SOURCE]=FLAGS with NAME of lower-case "
+                             f"letters, digits and '_' (not 'fifo'), e.g. "
+                             f"'fixed=--no-long-prefill-adaptive'")
+        root = None
+        if at:
+            root = Path(source.strip()).expanduser().resolve()
+            if not (root / "pdserve" / "cli.py").is_file():
+                raise ValueError(f"variant {name}: {root} is not a pdserve checkout "
+                                 f"(no pdserve/cli.py there)")
+        try:
+            argv = tuple(shlex.split(flags))
+        except ValueError as e:
+            raise ValueError(f"variant {name}: cannot split its flags {flags!r}: {e}") from e
+        if not argv and root is None:
+            raise ValueError(f"variant {name}: no flags and no @SOURCE: it would be pdserve itself")
+        return cls(name, argv, root)
+
+    def describe(self) -> dict:
+        return {"flags": list(self.flags), "source": None if self.source is None else str(self.source),
+                "commit": git_commit(self.source or Path(__file__).resolve().parents[2])}
+
+
+# Variants --systems may name without --variant (older commands in docs/benchmarks.md).
+BUILTIN_VARIANTS = {v.system: v for v in (Variant("whole", ("--decode-yield", "whole")),)}
+
+
+def git_commit(root: Path) -> str | None:
+    """The checkout's HEAD commit (with "+dirty" when it has changes); None: not a git
+    checkout."""
+    try:
+        head = subprocess.run(["git", "-C", str(root), "rev-parse", "--short=12", "HEAD"],
+                              capture_output=True, text=True, timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return head + ("+dirty" if dirty else "")
 
 
 @dataclass(slots=True, frozen=True)
@@ -125,15 +192,26 @@ class CompareConfig:
     freeze_idle: bool = True
     # Arrivals of each measured rate span at least this long (`requests_at`).
     min_duration_s: float = DEFAULT_MIN_DURATION_S
+    # Other pdserves measured beside the default one (pdserve-NAME); `systems` lists them.
+    variants: tuple[Variant, ...] = ()
 
     def __post_init__(self) -> None:
         if self.min_duration_s < 0:
             raise ValueError(f"minimum duration per rate must be >= 0 s, got "
                              f"{self.min_duration_s}")
-        unknown = set(self.systems) - set(SYSTEMS)
+        names = [v.system for v in self.variants]
+        if len(set(names)) != len(names):
+            raise ValueError(f"variants {', '.join(names)}: each needs its own name")
+        builtin = [BUILTIN_VARIANTS[s] for s in self.systems
+                   if s in BUILTIN_VARIANTS and s not in names]
+        self.variants = (*self.variants, *builtin)
+        self.systems = (*self.systems, *(s for s in names if s not in self.systems))
+        known = (*SYSTEMS, *(v.system for v in self.variants))
+        unknown = set(self.systems) - set(known)
         if unknown or not self.systems:
             raise ValueError(f"systems {','.join(self.systems)}: want some of "
-                             f"{', '.join(SYSTEMS)}")
+                             f"{', '.join(SYSTEMS)}, or pdserve-NAME given by --variant NAME=FLAGS"
+                             f" ({', '.join(BUILTIN_VARIANTS)} built in)")
         if self.bench.num_requests is None or self.bench.num_requests < 1:
             raise ValueError("compare measures each rate with --num-requests N (N >= 1)")
         if not isinstance(self.bench.slo, SLO):
@@ -141,11 +219,18 @@ class CompareConfig:
                              "calibrated")
 
     def run_order(self) -> tuple[str, ...]:
-        return tuple(s for s in SYSTEMS if s in self.systems)
+        return (*(s for s in SYSTEMS if s in self.systems),
+                *(v.system for v in self.variants if v.system in self.systems))
+
+    def variant(self, system: str) -> Variant | None:
+        return next((v for v in self.variants if v.system == system), None)
 
     def given_address(self, system: str) -> str | None:
-        """The address of a server the caller runs for this system; None: the compare boots it."""
-        return self.vllm_url if system == "vllm" else self.pdserve_target
+        """The address of a server the caller runs for this system; None: the compare boots
+        it (always a variant's: its flags are what is measured)."""
+        if system == "vllm":
+            return self.vllm_url
+        return None if self.variant(system) is not None else self.pdserve_target
 
 
 @dataclass(slots=True)
@@ -191,25 +276,27 @@ def log(message: str) -> None:
 # already bypassed the offline prompts queued for prefill: 88.9% at the rate where fifo
 # first fell below 90%, so no policy could be 30 points above it there).
 PLAIN_FIFO_FLAGS = ("--policy", "fifo", "--local-prefill-max-tokens", "0")
-# The `pdserve up` flags of each pdserve system.
-PDSERVE_FLAGS = {"pdserve-fifo": PLAIN_FIFO_FLAGS, "pdserve": (),
-                 "pdserve-whole": ("--decode-yield", "whole")}
+# The `pdserve up` flags of each pdserve system but the variants.
+PDSERVE_FLAGS = {"pdserve-fifo": PLAIN_FIFO_FLAGS, "pdserve": ()}
 
 
-def pdserve_argv(port: int, model: Path, max_model_len: int, system: str = "pdserve") -> list[str]:
+def pdserve_argv(port: int, model: Path, max_model_len: int, system: str = "pdserve",
+                 variant: Variant | None = None) -> list[str]:
     # Metrics off: `up` would otherwise bind fixed ports that a concurrent stack may hold.
     # No flags for pdserve, so that a `pdserve up` without flags still serves the default
     # system.
+    flags = variant.flags if variant is not None else PDSERVE_FLAGS[system]
     return [sys.executable, "-m", "pdserve.cli", "up", "--port", str(port), "--model",
-            str(model), "--max-model-len", str(max_model_len), "--metrics-port", "0",
-            *PDSERVE_FLAGS[system]]
+            str(Path(model).resolve()), "--max-model-len", str(max_model_len), "--metrics-port", "0",
+            *flags]
 
 
-def source_root_env() -> dict[str, str]:
-    """PYTHONPATH with this checkout first, so `-m pdserve.cli` works uninstalled too."""
-    root = str(Path(__file__).resolve().parents[2])
+def source_root_env(root: Path | None = None) -> dict[str, str]:
+    """PYTHONPATH with this checkout (or ``root``, a variant's) first, so `-m pdserve.cli`
+    works uninstalled too and runs that checkout's code."""
+    first = str(root or Path(__file__).resolve().parents[2])
     rest = os.environ.get("PYTHONPATH")
-    return {"PYTHONPATH": root + (os.pathsep + rest if rest else "")}
+    return {"PYTHONPATH": first + (os.pathsep + rest if rest else "")}
 
 
 # vLLM's executor times an execute_model call out after VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS
@@ -227,10 +314,13 @@ def pdserve_spec(cfg: CompareConfig, port: int, system: str = "pdserve") -> Serv
     # `up` prints "pdserve ready at HOST:PORT"; the lines it relays from its processes
     # start with "[role]" (the gateway's own "[gateway] READY ..." comes before the
     # workers are up), so those are skipped, and gRPC health must then say SERVING.
-    argv = pdserve_argv(port, cfg.model, cfg.bench.workload.max_model_len, system)
-    return ServerSpec(system, argv, {**source_root_env(), **idle_env(cfg)},
+    variant = cfg.variant(system)
+    argv = pdserve_argv(port, cfg.model, cfg.bench.workload.max_model_len, system, variant)
+    root = variant.source if variant is not None else None
+    return ServerSpec(system, argv, {**source_root_env(root), **idle_env(cfg)},
                       ready_pattern=rf"^[^\[].*\bready\b.*:{port}\b",
-                      grpc_health_target=f"127.0.0.1:{port}", boot_timeout_s=cfg.boot_timeout_s)
+                      grpc_health_target=f"127.0.0.1:{port}", boot_timeout_s=cfg.boot_timeout_s,
+                      cwd=root)
 
 
 def vllm_dtype() -> str:

@@ -3,11 +3,14 @@
 - Each system: its goodput as the search found it (a value, or a bound with its reason:
   below the floor, above the ceiling, unbracketed when the time budget ran out), and every
   rate it measured with attainment, throughput and latencies overall and per class.
-- `ratios`: pdserve / vLLM (`ratios_pdserve-whole`: the same for pdserve-whole). Goodput
+- `ratios`: pdserve / vLLM (`ratios_pdserve-NAME`: the same for each variant). Goodput
   as a value when both were found, else as the interval the two systems' goodput
   intervals allow (e.g. vLLM below the floor F: the ratio is at least pdserve's goodput /
   F, reported as `goodput_rps_lower_bound`). Throughput and latencies at one rate both
   systems were measured at: the highest such rate.
+- `ab_pdserve-NAME` (a variant and pdserve both ran): the variant against pdserve at each
+  rate both measured, request by request on the same requests: how many met their
+  objectives under each, and how many only under one of them.
 - `others_idle_cores` per measurement (interleaved): the cores each idle system used while
   it ran; `config.mode` and `config.measured_in_order` say how the systems took turns.
 - `policy` (when pdserve and pdserve-fifo both ran): the interactive class at the first
@@ -24,7 +27,7 @@ import os
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
-from pdserve.bench.metrics import DISTSERVE_TARGET, LatencyStats, Summary
+from pdserve.bench.metrics import DISTSERVE_TARGET, LatencyStats, Objective, Summary
 from pdserve.bench.presets import INTERACTIVE
 from pdserve.bench.record import RequestRecord
 from pdserve.bench.report import jsonable
@@ -105,8 +108,10 @@ def goodput_dict(outcome: SearchOutcome) -> dict:
     }
 
 
-def goodput_ratio(pd: SearchOutcome | None, vl: SearchOutcome | None) -> dict:
-    """pdserve / vLLM goodput: a value, or the bounds the two intervals give, labelled."""
+def goodput_ratio(pd: SearchOutcome | None, vl: SearchOutcome | None,
+                  names: tuple[str, str] = ("pdserve", "vllm")) -> dict:
+    """pdserve / vLLM goodput (or ``names``' first over its second): a value, or the bounds
+    the two intervals give, labelled."""
     a, b = goodput_interval(pd), goodput_interval(vl)
     out: dict = {"goodput_rps": None, "goodput_rps_lower_bound": None,
                  "goodput_rps_upper_bound": None}
@@ -121,7 +126,7 @@ def goodput_ratio(pd: SearchOutcome | None, vl: SearchOutcome | None) -> dict:
         return out
     out["goodput_rps_lower_bound"] = low or None
     out["goodput_rps_upper_bound"] = None if math.isinf(high) else high
-    out["goodput_note"] = (f"bounds only: pdserve {describe(pd)}, vllm {describe(vl)}")
+    out["goodput_note"] = f"bounds only: {names[0]} {describe(pd)}, {names[1]} {describe(vl)}"
     return out
 
 
@@ -146,8 +151,47 @@ def at_rate(system: dict, rate: float) -> dict:
     return next(e for e in system["measurements"] if e["rate_rps"] == rate)
 
 
-# Each pdserve system measured against vLLM: the JSON key of its ratios, and the system.
-RATIO_KEYS = (("ratios", "pdserve"), ("ratios_pdserve-whole", "pdserve-whole"))
+def variant_names(names) -> list[str]:
+    """The variants (pdserve-NAME, not pdserve-fifo) among system names, in their order."""
+    return [n for n in names if n.startswith("pdserve-") and n != "pdserve-fifo"]
+
+
+def ratio_keys(names) -> list[tuple[str, str]]:
+    """Each pdserve system measured against vLLM: the JSON key of its ratios, and the system."""
+    return [("ratios", "pdserve"), *((f"ratios_{n}", n) for n in variant_names(names))]
+
+
+def ab_dict(variant: SystemResult, base: SystemResult, slos: Objective) -> dict:
+    """A variant against pdserve (``base``), at each rate both measured: the same requests
+    (same seeded lengths, schedule and prompts), each judged by its class's objectives
+    under both. `only_variant` / `only_base`: requests met under one and not the other;
+    their difference is the attainment difference, and their sum says how much of it is
+    the same requests moving (little) or churn (much: noise)."""
+    out: dict = {"against": base.name,
+                 "goodput": goodput_ratio(variant.search, base.search, (variant.name, base.name)),
+                 "rates": []}
+    for run in variant.runs:
+        other = next((r for r in base.runs if r.load.rate_rps == run.load.rate_rps), None)
+        if other is None:
+            continue
+        theirs = {r.request_id: r for r in other.records}
+        pairs = [(r, theirs[r.request_id]) for r in run.records if r.request_id in theirs]
+        met = [(slos.met_by(v), slos.met_by(b)) for v, b in pairs]
+        by_class: dict[str, list[int]] = {}
+        for (v, _), (mv, mb) in zip(pairs, met):
+            counts = by_class.setdefault(v.class_name, [0, 0, 0])
+            counts[0] += 1
+            counts[1] += mv
+            counts[2] += mb
+        out["rates"].append({
+            "rate_rps": run.load.rate_rps, "num_paired": len(pairs),
+            "met_variant": sum(mv for mv, _ in met), "met_base": sum(mb for _, mb in met),
+            "only_variant": sum(mv and not mb for mv, mb in met),
+            "only_base": sum(mb and not mv for mv, mb in met),
+            "by_class": {name: {"num_paired": n, "met_variant": a, "met_base": b}
+                         for name, (n, a, b) in by_class.items()},
+        })
+    return out
 
 
 def ratios(pd: dict, vl: dict, pd_outcome: SearchOutcome | None,
@@ -219,10 +263,15 @@ def compare_dict(cfg: CompareConfig, result: CompareResult) -> dict:
     out: dict = {name: system_dict(s) for name, s in result.systems.items()}
     out["slo"] = slo_dict(result)
     c = result.calibration
-    for key, pd in RATIO_KEYS:
+    for key, pd in ratio_keys(result.systems):
         if pd in out and "vllm" in out:
             out[key] = ratios(out[pd], out["vllm"], result.systems[pd].search,
                               result.systems["vllm"].search)
+    if "pdserve" in result.systems and c is not None:
+        for name in variant_names(result.systems):
+            out[f"ab_{name}"] = ab_dict(result.systems[name], result.systems["pdserve"], c.slos())
+    if cfg.variants:
+        out["variants"] = {v.system: v.describe() for v in cfg.variants}
     if "pdserve" in result.systems and "pdserve-fifo" in result.systems:
         unloaded = c.unloaded.get(INTERACTIVE) if c is not None else None
         out["policy"] = policy_dict(result.systems["pdserve-fifo"], result.systems["pdserve"],
@@ -307,7 +356,7 @@ def format_compare(doc: dict) -> str:
                      else f"{g['bound_kind']} {g['bound_rps']:g} req/s ({g['status']})")
             rows.append(f"goodput: {value}")
         parts.append("\n".join(rows))
-    for key, pd in RATIO_KEYS:
+    for key, pd in ratio_keys(doc):
         if key not in doc:
             continue
         r = doc[key]
@@ -322,6 +371,18 @@ def format_compare(doc: dict) -> str:
         at = r["at_rate_rps"]
         parts.append(line + f"\nat {_fmt(at, 1, 'g')} req/s (" + r["at_rate_rule"] + "): "
                      + ", ".join(f"{k} {_fmt(r[k])}" for k in AT_RATE_KEYS))
+    for name in variant_names(doc):
+        ab = doc.get(f"ab_{name}")
+        if ab is None:
+            continue
+        g = ab["goodput"]
+        lines = [f"{name} against {ab['against']}, same requests: goodput ratio "
+                 + (_fmt(g["goodput_rps"]) if g["goodput_rps"] is not None else g["goodput_note"])]
+        for e in ab["rates"]:
+            lines.append(f"  at {e['rate_rps']:g} req/s: met {e['met_variant']} vs "
+                         f"{e['met_base']} of {e['num_paired']} (only {name} {e['only_variant']}, "
+                         f"only {ab['against']} {e['only_base']})")
+        parts.append("\n".join(lines))
     if "policy" in doc:
         p = doc["policy"]
         parts.append(f"policy (interactive at {_fmt(p['rate_rps'], 1, 'g')} req/s): "

@@ -40,8 +40,13 @@ THAW_SETTLE_S = 3.0
 # logged: that measurement did not have the machine to itself.
 IDLE_CORES_WARNING = 0.05
 
-# Engines each system runs (the compare starts pdserve with one worker per tier).
-ENGINES = {"vllm": 1, "pdserve-fifo": 2, "pdserve": 2, "pdserve-whole": 2}
+
+def engines(system: str) -> int:
+    """Engines a system runs: vLLM one; each pdserve (the compare starts it with one worker
+    per tier) two."""
+    return 1 if system == "vllm" else 2
+
+
 # The systems still to boot must fit in the memory available with this much to spare, each
 # engine taking what the first booted system's engines took. Their KV caches fill as they
 # serve, so a tight fit at boot is not one under load.
@@ -52,8 +57,8 @@ def fits_in_memory(first: str, first_took_bytes: int, rest: list[str],
                    available_bytes: int) -> tuple[bool, int]:
     """Whether the systems in ``rest`` fit in ``available_bytes``, each engine taking what
     ``first``'s took at boot; and the bytes they need."""
-    per_engine = first_took_bytes / ENGINES[first]
-    need = round(per_engine * sum(ENGINES[s] for s in rest) * MEMORY_HEADROOM)
+    per_engine = first_took_bytes / engines(first)
+    need = round(per_engine * sum(engines(s) for s in rest) * MEMORY_HEADROOM)
     return available_bytes >= need, need
 
 

@@ -44,6 +44,9 @@ class ServerSpec:
     # A vLLM server: it runs with its own temporary directory (pdserve/tempdirs.py), removed
     # when it stops, for the socket files vLLM leaves behind.
     engine_dir: bool = False
+    # Where it runs (None: here). `python -m` puts the working directory first on sys.path,
+    # ahead of PYTHONPATH, so a variant from another checkout runs from that checkout.
+    cwd: Path | None = None
 
     def __post_init__(self) -> None:
         if (self.ready_pattern is None) == (self.health_url is None):
@@ -132,7 +135,7 @@ class ServerProcess:
             self._engine_dir = tempdirs.engine_dir()
             env |= tempdirs.engine_env(self._engine_dir.name)
         self._proc = subprocess.Popen(
-            self.spec.argv, env=env, stdin=subprocess.DEVNULL,
+            self.spec.argv, env=env, cwd=self.spec.cwd, stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
             start_new_session=True)
         self._pump_thread = threading.Thread(target=self._pump, daemon=True)

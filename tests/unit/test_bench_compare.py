@@ -265,13 +265,13 @@ def test_cli_compare_mixed_runs_three_systems_fifo_before_slo(tmp_path):
         parse(["bench", "compare", "--rates", "1,2"])  # the search chooses the rates
 
 
-def test_pdserve_whole_runs_after_pdserve_with_decode_yield_whole_and_gets_its_ratios(tmp_path):
+def test_pdserve_whole_is_a_builtin_variant_run_after_pdserve_with_its_ratios(tmp_path):
     from pdserve.bench.compare import pdserve_argv
 
     cfg = cli.compare_config(parse(["bench", "compare", "--workload", "long", "--systems",
                                     "pdserve-whole,vllm,pdserve"]), tmp_path)
     assert cfg.run_order() == ("vllm", "pdserve", "pdserve-whole")
-    argv = pdserve_argv(1, tmp_path, 4096, "pdserve-whole")
+    argv = pdserve_argv(1, tmp_path, 4096, "pdserve-whole", cfg.variant("pdserve-whole"))
     assert argv[argv.index("--decode-yield") + 1] == "whole"
     assert "--decode-yield" not in pdserve_argv(1, tmp_path, 4096, "pdserve")
     assert "--policy" not in argv and "--decode-yield" not in pdserve_argv(1, tmp_path, 4096,
@@ -286,10 +286,73 @@ def test_pdserve_whole_runs_after_pdserve_with_decode_yield_whole_and_gets_its_r
     doc = compare_dict(cfg, result)
     assert doc["ratios"]["goodput_rps"] == pytest.approx(1.0)
     assert doc["ratios_pdserve-whole"]["goodput_rps"] == pytest.approx(1.2 / 0.6)
+    assert doc["variants"]["pdserve-whole"]["flags"] == ["--decode-yield", "whole"]
     table = format_compare(json.loads(json.dumps(doc)))
     assert "######## pdserve-whole ########" in table
     assert "goodput ratio pdserve / vllm: 1\n" in table
     assert "goodput ratio pdserve-whole / vllm: 2\n" in table
+
+
+def test_variant_flags_and_source_run_after_the_others_from_their_checkout(tmp_path):
+    from pdserve.bench.compare import Variant, pdserve_spec
+
+    other = tmp_path / "other"
+    (other / "pdserve").mkdir(parents=True)
+    (other / "pdserve" / "cli.py").write_text("")
+    cfg = cli.compare_config(parse([
+        "bench", "compare", "--workload", "long",
+        "--variant", "fixed=--long-prefill-tokens 256 --no-long-prefill-adaptive",
+        "--variant", f"base@{other}="]), tmp_path)
+    assert cfg.run_order() == ("vllm", "pdserve", "pdserve-fixed", "pdserve-base")
+    assert cfg.given_address("pdserve-fixed") is None
+    fixed = pdserve_spec(cfg, 5000, "pdserve-fixed")
+    assert fixed.argv[-3:] == ["--long-prefill-tokens", "256", "--no-long-prefill-adaptive"]
+    assert fixed.cwd is None
+    base = pdserve_spec(cfg, 5001, "pdserve-base")
+    assert base.argv[base.argv.index("up") + 1:][-2:] == ["--metrics-port", "0"]  # no flags added
+    assert base.cwd == other.resolve()
+    assert base.env["PYTHONPATH"].split(":")[0] == str(other.resolve())
+    plain = pdserve_spec(cfg, 5002, "pdserve")
+    assert plain.env["PYTHONPATH"].split(":")[0] != str(other.resolve())
+    for bad, why in [("fixed", "NAME"), ("Fixed=--x", "NAME"), ("fifo=--x", "NAME"),
+                     ("same=", "pdserve itself"), (f"x@{tmp_path}=", "not a pdserve checkout"),
+                     ("q=--x 'open", "cannot split")]:
+        with pytest.raises(ValueError, match=why):
+            Variant.parse(bad)
+    with pytest.raises(ValueError, match="its own name"):
+        cli.compare_config(parse(["bench", "compare", "--variant", "a=--x", "--variant", "a=--y"]),
+                           tmp_path)
+    with pytest.raises(ValueError, match="--variant"):
+        cli.compare_config(parse(["bench", "compare", "--systems", "vllm,pdserve-nope"]), tmp_path)
+
+
+def test_a_variant_is_paired_with_pdserve_request_by_request(tmp_path):
+    from pdserve.bench.compare import Variant
+
+    cfg = dataclasses.replace(compare_cfg(tmp_path), variants=(Variant("b", ("--x",)),))
+    search = SearchConfig(start_rps=0.5, floor_rps=0.25, bisections=0)
+    result = CompareResult(calibration=calibration(), search=search)
+    # Requests r0-r9 at 0.5 req/s: pdserve misses r9, the variant r0; at 1.0 pdserve misses
+    # r5-r9, the variant none; only the variant went on to 2.0.
+    result.systems["pdserve"] = searched(
+        "pdserve", [run_at(0.5, [0.5] * 9 + [3.0]), run_at(1.0, HALF)], search)
+    result.systems["pdserve-b"] = searched(
+        "pdserve-b", [run_at(0.5, [3.0] + [0.5] * 9), run_at(1.0, MET), run_at(2.0, HALF)], search)
+    doc = compare_dict(cfg, result)
+    ab = doc["ab_pdserve-b"]
+    assert ab["against"] == "pdserve"
+    assert ab["goodput"]["goodput_rps"] == pytest.approx(1.2 / 0.5)
+    assert ab["rates"] == [
+        {"rate_rps": 0.5, "num_paired": 10, "met_variant": 9, "met_base": 9, "only_variant": 1,
+         "only_base": 1, "by_class": {"default": {"num_paired": 10, "met_variant": 9, "met_base": 9}}},
+        {"rate_rps": 1.0, "num_paired": 10, "met_variant": 10, "met_base": 5, "only_variant": 5,
+         "only_base": 0, "by_class": {"default": {"num_paired": 10, "met_variant": 10, "met_base": 5}}},
+    ]
+    assert "ratios_pdserve-b" not in doc  # no vLLM in this compare
+    table = format_compare(json.loads(json.dumps(doc)))
+    assert "pdserve-b against pdserve, same requests: goodput ratio 2.4\n" in table
+    assert "  at 0.5 req/s: met 9 vs 9 of 10 (only pdserve-b 1, only pdserve 1)" in table
+    assert "  at 1 req/s: met 10 vs 5 of 10 (only pdserve-b 5, only pdserve 0)" in table
 
 
 @pytest.mark.parametrize("driver", ["interleaved", "sequential"])

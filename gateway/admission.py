@@ -74,6 +74,9 @@ class ServiceMeter:
     _num_busy: int = 0
     _busy_contended: bool = False  # decode had requests running when the busy time began
     _abandoned: tuple[float, float] | None = None  # rate bound, when
+    # The last ``window`` completions made with decode idle, however old (tokens, busy s):
+    # what the worker does with the cores to itself (`alone_tokens_per_s`).
+    _alone: deque[tuple[int, float]] = field(default_factory=deque)
 
     def start(self, now_s: float, contended: bool = False) -> None:
         if self._num_busy == 0:
@@ -95,6 +98,10 @@ class ServiceMeter:
                               self._busy_contended or contended))
         if len(self._samples) > self.window:
             self._samples.popleft()
+        if not self._samples[-1][3]:
+            self._alone.append(self._samples[-1][:2])
+            if len(self._alone) > self.window:
+                self._alone.popleft()
         self._num_busy -= 1
         self._busy_since_s = now_s if self._num_busy else None
         self._busy_contended = contended  # the next busy time begins now
@@ -153,6 +160,28 @@ class ServiceMeter:
         rate = tokens / busy_s
         if self.stalled(now_s):
             rate = min(rate, self._abandoned[0])
+        return self._bounded(rate, now_s, pending_tokens)
+
+    def alone_tokens_per_s(self, now_s: float, pending_tokens: int = 0,
+                           fallback: float | None = None) -> float | None:
+        """Its rate with decode idle over its last completions made so, however old (else
+        ``fallback``); None: neither. For a prompt sent with decode idle when nothing
+        recent says (`tokens_per_s` None: a minute without completions alone, or a request
+        taken back since), so that it is not given up on before it could have finished.
+
+        Seen in the long benchmark: with "no rate" a prompt's remote prefill was moved to
+        the decode worker after `PlacementConfig.stall_unknown_s` (1 s), fewer tokens than a
+        long prompt takes alone (about 800 tokens/s); each move left the worker "stalled",
+        so the next prompt had no rate either, and every prompt of over about 650 tokens
+        went the same way for as long as prompts kept coming: 27 of 39 at 0.114 req/s,
+        first tokens about 1 s later than colocated vLLM's on an idle machine, and the
+        worker's prefills of them thrown away (lease expired)."""
+        tokens = sum(n for n, _ in self._alone)
+        busy_s = sum(s for _, s in self._alone)
+        rate = tokens / busy_s if tokens > 0 and busy_s > 0 else fallback
+        return None if rate is None else self._bounded(rate, now_s, pending_tokens)
+
+    def _bounded(self, rate: float, now_s: float, pending_tokens: int) -> float:
         if pending_tokens > 0 and self._num_busy and self._busy_since_s is not None:
             working_s = now_s - self._busy_since_s
             if working_s > 0:

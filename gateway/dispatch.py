@@ -308,7 +308,8 @@ class Dispatcher:
             return place_without_tier(ticket.num_prompt_tokens, ticket.num_prompt_tokens + ticket.max_tokens, decode)
         matched = self._prefix_index().matched_tokens(self._prefix_keys(ticket))
         contended = self._decode_busy()
-        prefill = [w.prefill_load(now, matched.get(w.address, 0), contended) for w in tier]
+        peer = None if contended else self._local_rate(now)
+        prefill = [w.prefill_load(now, matched.get(w.address, 0), contended, peer) for w in tier]
         budget = None if ticket.ttft_slo_s is None else ticket.arrival_s + ticket.ttft_slo_s - now
         return place(ticket.num_prompt_tokens, ticket.num_prompt_tokens + ticket.max_tokens,
                      prefill, decode, self._placement, remote_open, budget if self._admission else None,
@@ -319,6 +320,12 @@ class Dispatcher:
         has timed no prefill of its own is taken to prefill a rescued long prompt at."""
         return max((r for w in self._workers.routable("prefill")
                     if (r := w.prefill_meter.tokens_per_s(now, contended=False))), default=None)
+
+    def _local_rate(self, now: float) -> float | None:
+        """The fastest rate a decode worker has prefilled its own prompts at, however long
+        ago: what a prefill worker that has none of its own is taken to run at alone."""
+        return max((r for w in self._workers.routable("decode")
+                    if (r := w.local_meter.alone_tokens_per_s(now))), default=None)
 
     def _reserve(self, ticket: Ticket, placement: Placement, now: float) -> Seat | None:
         worker = self._workers.by_address(placement.worker)

@@ -124,14 +124,20 @@ class Worker:
     def num_inflight(self) -> int:
         return len(self.seats) if self.role == "decode" else self.num_prefills
 
-    def prefill_load(self, now_s: float, matched_tokens: int = 0,
-                     contended: bool | None = None) -> PrefillLoad:
-        # A worker a prompt was just taken back from promises no start time (placement then
-        # prefers a decode worker with a known rate) until it completes one again. The rate
-        # is the one measured under the decode load there is now (``contended``; see
-        # ServiceMeter.tokens_per_s for when none was).
+    def prefill_load(self, now_s: float, matched_tokens: int = 0, contended: bool | None = None,
+                     fallback_rate: float | None = None) -> PrefillLoad:
+        # A worker a prompt was just taken back from promises no start time beside running
+        # decodes (placement then prefers a decode worker with a known rate) until it
+        # completes one again. The rate is the one measured under the decode load there is
+        # now (``contended``; see ServiceMeter.tokens_per_s for when none was). With decode
+        # idle (``contended`` False) the worker has the cores to itself, whatever kept it
+        # off them before: when nothing recent says, its rate alone however old, else
+        # ``fallback_rate`` (a decode engine's own prefill rate: the same model on the same
+        # cores); see ServiceMeter.alone_tokens_per_s.
         meter = self.prefill_meter
         rate = None if meter.stalled(now_s) else meter.tokens_per_s(now_s, self.queued_tokens, contended)
+        if rate is None and contended is False:
+            rate = meter.alone_tokens_per_s(now_s, self.queued_tokens, fallback_rate)
         return PrefillLoad(self.address, self.queued_tokens, rate, matched_tokens)
 
     def predict_tpot_s(self, num_running: int, now_s: float) -> float | None:

@@ -232,6 +232,24 @@ def test_service_meter_reads_at_most_an_abandoned_requests_rate_until_its_next_c
     assert m.tokens_per_s(21.0) == pytest.approx(500 / 2.0) and not m.stalled(21.0)
 
 
+def test_service_meter_remembers_its_rate_alone_past_the_recent_window():
+    m = ServiceMeter()
+    assert m.alone_tokens_per_s(0.0) is None
+    assert m.alone_tokens_per_s(0.0, fallback=300.0) == pytest.approx(300.0)  # none of its own
+    m.start(0.0)
+    m.finish(800, 1.0)  # 800 tok/s with decode idle
+    m.start(5.0, contended=True)
+    m.finish(100, 6.0, contended=True)  # 100 tok/s beside decode: not a rate alone
+    late = 6.0 + m.max_age_s + 1
+    assert m.tokens_per_s(late, contended=False) is None  # aged out
+    assert m.alone_tokens_per_s(late, fallback=300.0) == pytest.approx(800.0)
+    m.start(late)
+    m.abandon(1300, 1.0, late + 1.0)  # taken back after 1 s
+    assert m.stalled(late + 1.0) and m.alone_tokens_per_s(late + 1.0) == pytest.approx(800.0)
+    m.start(late + 2.0)  # 400 tokens unanswered for 2 s: at most 200 tok/s now
+    assert m.alone_tokens_per_s(late + 4.0, pending_tokens=400) == pytest.approx(200.0)
+
+
 def test_latency_meter_fits_a_fixed_part_and_a_part_per_token():
     from gateway.admission import LatencyMeter
 

@@ -337,6 +337,45 @@ def test_a_stalled_remote_prefill_is_moved_to_a_decode_worker_and_the_tier_sees_
 
     assert run(scenario()) is Where.LOCAL
 
+def test_with_decode_idle_a_long_prompt_is_given_the_tiers_time_alone_after_a_move_or_a_quiet_minute():
+    """The long benchmark's loop: a move left the tier with no rate, so the next long prompt
+    was moved after 1 s (stall_unknown_s), again and again."""
+    async def scenario():
+        d, pool, clock = dispatcher()
+        p0, d0 = measured_prefill(pool, 8000), pool.by_address("d0")  # 800 tok/s alone
+        clock.now += 120.0  # a quiet two minutes: nothing recent
+        t = ticket("after-quiet", 1600, O, arrival=clock.now, ttft=3.0)
+        grant = await d.acquire(t)
+        out = [(grant.placement.where, grant.placement.predicted_ttft_s, d.stalled_after_s(t, grant.placement))]
+        clock.now += 4.0
+        moved = d.move_stalled(p0, t, waited_s=4.0)  # the cold engine was slow: taken back
+        out.append(moved.placement.where)
+        d0.seats.clear()  # it finished there; decode idle again
+        t2 = ticket("after-move", 1200, O, arrival=clock.now)
+        grant = await d.acquire(t2)
+        out.append((grant.placement.where, grant.placement.predicted_ttft_s))
+        d.prefill_done(p0, t2, None)
+        d0.seats.add(d._seat(ticket("running", 10)))  # beside a decode the move still counts
+        out.append(p0.prefill_load(clock.now, contended=True).tokens_per_s)
+        return out
+
+    assert run(scenario()) == [(Where.REMOTE, pytest.approx(2.0), pytest.approx(4.0)), Where.LOCAL,
+                               (Where.REMOTE, pytest.approx(1.5)), None]
+
+
+def test_a_prefill_worker_that_never_answered_is_given_a_decode_workers_own_prefill_rate():
+    async def scenario():
+        d, pool, _ = dispatcher()
+        d0 = pool.by_address("d0")
+        d0.local_meter.start(98.0)
+        d0.local_meter.finish(1000, 100.0)  # a prompt it prefilled itself: 500 tok/s
+        t = ticket("long", 1500, O)
+        grant = await d.acquire(t)
+        return grant.placement.where, grant.placement.predicted_ttft_s, d.stalled_after_s(t, grant.placement)
+
+    assert run(scenario()) == (Where.REMOTE, pytest.approx(3.0), pytest.approx(6.0))
+
+
 def test_a_stalled_remote_prefill_stays_while_no_decode_worker_has_a_seat():
     async def scenario():
         d, pool, clock = dispatcher()

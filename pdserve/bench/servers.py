@@ -231,13 +231,31 @@ class ServerProcess:
         return "\n".join(self._tail)
 
     def stop(self) -> None:
-        """SIGTERM the group, wait `stop_grace_s`, then SIGKILL every survivor."""
+        """SIGTERM the group, wait `stop_grace_s`, then SIGKILL every survivor. Interrupted
+        while it waits (a second Ctrl-C, or SIGTERM: `cli.stop_on_sigterm`), it kills them
+        at once, finishes, and lets the interrupt go on: seen when a compare stopped while
+        booting vLLM was sent SIGTERM during that stop's grace, it left the server running."""
         proc = self._proc
         if proc is None:
             return
         family = [proc.pid, *descendants(proc.pid)]
         held = SegmentTracker()
         held.record(family)  # /dev/shm segments a process killed below would leave behind
+        try:
+            self._terminate(proc, family)
+        except KeyboardInterrupt:
+            _kill(proc.pid, family)
+            raise
+        finally:
+            held.sweep()  # those a survivor still holds (a zombie holds none) stay
+            if self._engine_dir is not None:
+                self._engine_dir.cleanup()
+                self._engine_dir = None
+            if self._pump_thread is not None:
+                self._pump_thread.join(timeout=5)
+            self._proc = None
+
+    def _terminate(self, proc: subprocess.Popen[str], family: list[int]) -> None:
         signal_tree(proc.pid, signal.SIGCONT)  # a frozen process would not act on SIGTERM
         if proc.poll() is None:
             _signal_group(proc.pid, signal.SIGTERM)
@@ -252,19 +270,18 @@ class ServerProcess:
         deadline = time.monotonic() + self.spec.stop_grace_s
         while (survivors := [p for p in family if _alive(p)]) and time.monotonic() < deadline:
             time.sleep(0.2)
-        for pid in survivors:
-            _signal(pid, signal.SIGKILL)
-        _signal_group(proc.pid, signal.SIGKILL)  # anything forked since we listed
-        deadline = time.monotonic() + 5.0
-        while any(_alive(p) for p in survivors) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        held.sweep()  # those a survivor still holds (a zombie holds none) stay
-        if self._engine_dir is not None:
-            self._engine_dir.cleanup()
-            self._engine_dir = None
-        if self._pump_thread is not None:
-            self._pump_thread.join(timeout=5)
-        self._proc = None
+        _kill(proc.pid, survivors)
+
+
+def _kill(leader: int, pids: list[int]) -> None:
+    """SIGKILL ``pids`` and the group of ``leader`` (anything forked since they were
+    listed), and wait up to 5 s for them to go."""
+    for pid in pids:
+        _signal(pid, signal.SIGKILL)
+    _signal_group(leader, signal.SIGKILL)
+    deadline = time.monotonic() + 5.0
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
 
 
 def signal_tree(pid: int, sig: signal.Signals) -> None:

@@ -3,6 +3,7 @@
 import argparse
 import json
 import os
+import signal
 import sys
 import textwrap
 import time
@@ -149,6 +150,41 @@ def test_server_process_waits_for_ready_and_leaves_nothing(tmp_path):
         time.sleep(0.05)
     assert not _alive(child)
     assert "pdserve ready" in (tmp_path / "fake.log").read_text()
+
+
+STUBBORN = textwrap.dedent("""
+    import signal, subprocess, sys, time
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # inherited by the child
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                             start_new_session=True)
+    print("child", child.pid, flush=True)
+    print("ready", flush=True)
+    time.sleep(60)
+""")
+
+
+def test_a_stop_interrupted_during_its_grace_kills_at_once_and_leaves_nothing(tmp_path):
+    spec = ServerSpec("fake", [sys.executable, "-c", STUBBORN], ready_pattern=r"^ready$", stop_grace_s=30)
+    server = ServerProcess(spec, tmp_path / "fake.log")
+    server.start()
+    server.wait_ready()
+    leader, child = leader_and_child(server)
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt("a second Ctrl-C")
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    signal.setitimer(signal.ITIMER_REAL, 0.5)  # while stop waits out the 30 s grace
+    started = time.monotonic()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            server.stop()
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    assert time.monotonic() - started < 10
+    assert not _alive(leader) and not _alive(child)
+    assert server._proc is None
 
 
 def _state(pid: int) -> str:

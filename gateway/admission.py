@@ -135,11 +135,11 @@ class ServiceMeter:
         return max(now_s - self._busy_since_s, 0.0)
 
     def tokens_per_s(self, now_s: float, pending_tokens: int = 0,
-                     contended: bool | None = None) -> float | None:
+                     contended: bool | None = None, exact: bool = False) -> float | None:
         """Measured over the recent completions; None: none recent. With ``contended``
         given, over those marked the same; with none of them, a prefill beside running
         decodes (True) is read from the others (alone it was never slower: the rate errs
-        towards admitting), a prefill alone (False) is unknown.
+        towards admitting) unless ``exact``, a prefill alone (False) is unknown.
 
         ``pending_tokens``: the tokens sent and not yet answered. A worker that has worked
         on them for longer than they take at the measured rate is slower now than it was
@@ -151,7 +151,7 @@ class ServiceMeter:
         recent = [(n, s, busy) for n, s, when, busy in self._samples
                   if now_s - when <= self.max_age_s]
         same = [x for x in recent if x[2] == contended]
-        if contended is not None and (same or not contended):
+        if contended is not None and (same or not contended or exact):
             recent = same
         tokens = sum(n for n, _, _ in recent)
         busy_s = sum(s for _, s, _ in recent)

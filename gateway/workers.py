@@ -126,16 +126,21 @@ class Worker:
 
     def prefill_load(self, now_s: float, matched_tokens: int = 0, contended: bool | None = None,
                      fallback_rate: float | None = None) -> PrefillLoad:
-        # A worker a prompt was just taken back from promises no start time beside running
-        # decodes (placement then prefers a decode worker with a known rate) until it
-        # completes one again. The rate is the one measured under the decode load there is
-        # now (``contended``; see ServiceMeter.tokens_per_s for when none was). With decode
-        # idle (``contended`` False) the worker has the cores to itself, whatever kept it
-        # off them before: when nothing recent says, its rate alone however old, else
-        # ``fallback_rate`` (a decode engine's own prefill rate: the same model on the same
-        # cores); see ServiceMeter.alone_tokens_per_s.
+        # The rate measured under the decode load there is now (``contended``). Beside
+        # running decodes, only a rate measured so: a worker a prompt was just taken back
+        # from, or one that has prefilled nothing beside decode lately, promises no start
+        # time, and a prompt sent to it is moved after `PlacementConfig.stall_unknown_s`
+        # (placement prefers a decode worker with a known rate). Its rate alone would
+        # promise one it does not get: seen in the long benchmark, prompts sent beside a
+        # decoding request on such a promise (1.7-4.9 s) waited twice that before moving,
+        # to first tokens of 5.3-12.3 s where a move after 1 s gave 2.7-5.4 s.
+        # With decode idle (``contended`` False) the worker has the cores to itself,
+        # whatever kept it off them before: when nothing recent says, its rate alone
+        # however old, else ``fallback_rate`` (a decode engine's own prefill rate: the same
+        # model on the same cores); see ServiceMeter.alone_tokens_per_s.
         meter = self.prefill_meter
-        rate = None if meter.stalled(now_s) else meter.tokens_per_s(now_s, self.queued_tokens, contended)
+        rate = None if meter.stalled(now_s) else meter.tokens_per_s(now_s, self.queued_tokens, contended,
+                                                                    exact=contended is True)
         if rate is None and contended is False:
             rate = meter.alone_tokens_per_s(now_s, self.queued_tokens, fallback_rate)
         return PrefillLoad(self.address, self.queued_tokens, rate, matched_tokens)

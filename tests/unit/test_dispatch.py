@@ -363,6 +363,20 @@ def test_with_decode_idle_a_long_prompt_is_given_the_tiers_time_alone_after_a_mo
                                (Where.REMOTE, pytest.approx(1.5)), None]
 
 
+def test_beside_decode_a_tier_measured_only_alone_promises_nothing_and_a_prompt_moves_after_a_second():
+    async def scenario():
+        d, pool, _ = dispatcher()
+        p0, d0 = measured_prefill(pool, 8000), pool.by_address("d0")  # 800 tok/s, alone only
+        d0.seats.add(d._seat(ticket("running", 10)))  # decode busy
+        t = ticket("long", 1600, O, ttft=6.0)
+        grant = await d.acquire(t)
+        rate_admission = p0.prefill_meter.tokens_per_s(100.0, contended=True)  # errs towards admitting
+        return grant.placement.where, grant.placement.predicted_ttft_s, d.stalled_after_s(t, grant.placement), \
+            rate_admission
+
+    assert run(scenario()) == (Where.REMOTE, None, pytest.approx(1.0), pytest.approx(800.0))
+
+
 def test_a_prefill_worker_that_never_answered_is_given_a_decode_workers_own_prefill_rate():
     async def scenario():
         d, pool, _ = dispatcher()

@@ -313,7 +313,15 @@ class Dispatcher:
         budget = None if ticket.ttft_slo_s is None else ticket.arrival_s + ticket.ttft_slo_s - now
         return place(ticket.num_prompt_tokens, ticket.num_prompt_tokens + ticket.max_tokens,
                      prefill, decode, self._placement, remote_open, budget if self._admission else None,
-                     self._rescue_rate(now))
+                     self._rescue_rate(now), tier_starved=self._tier_starved())
+
+    def _tier_starved(self) -> bool:
+        """Every prefill worker shares its host's cores with a decode worker running
+        requests (CPU engines: `pdserve up` runs the prefill engine at idle priority)."""
+        busy = {w.info.host_id for w in self._workers.routable("decode") if w.seats and w.info is not None}
+        tier = self._workers.routable("prefill")
+        return bool(tier) and all(w.info is not None and w.info.kv_device != "cuda" and w.info.host_id in busy
+                                  for w in tier)
 
     def _rescue_rate(self, now: float) -> float | None:
         """The prefill tier's fastest recent rate with decode idle: what a decode worker that

@@ -145,7 +145,7 @@ class Placement:
 
 def place(num_prompt_tokens: int, kv_tokens: int, prefill: list[PrefillLoad], decode: list[DecodeLoad],
           cfg: PlacementConfig, remote_open: bool = True, ttft_budget_s: float | None = None,
-          rescue_rate: float | None = None) -> Placement | None:
+          rescue_rate: float | None = None, tier_starved: bool = False) -> Placement | None:
     """Where to prefill a prompt now; None: nowhere has room, wait.
 
     ``kv_tokens`` is what the request holds on a decode worker (prompt + max_tokens).
@@ -157,6 +157,13 @@ def place(num_prompt_tokens: int, kv_tokens: int, prefill: list[PrefillLoad], de
     and only when the tier is known to miss (full, or slower than the budget at its
     measured rate), since its stall is long; ``rescue_rate`` stands in for the prefill rate
     of a decode worker that has measured none (`rescue_long`).
+
+    ``tier_starved``: the prefill tier shares its cores with decode engines that are busy
+    now, and a tier with no rate measured beside them (None) is then taken to miss: on
+    shared cores it runs at idle priority, and such a prompt was moved to a decode worker
+    after `PlacementConfig.stall_unknown_s` anyway (13 and 14 of the 15 and 14 long prompts
+    sent beside another request in the twenty-second session's two long A/B runs), its
+    wait on the tier added to its first token and the tier's work on it thrown away.
     """
     remote = _best_remote(num_prompt_tokens, prefill, cfg) if remote_open else None
     local = _best_local(num_prompt_tokens, kv_tokens, decode, cfg)
@@ -165,7 +172,8 @@ def place(num_prompt_tokens: int, kv_tokens: int, prefill: list[PrefillLoad], de
         if num_prompt_tokens <= cfg.local_prefill_max_tokens:
             if remote is None or remote.predicted_ttft_s is None or remote.predicted_ttft_s > ttft_budget_s:
                 rescue = _best_local(num_prompt_tokens, kv_tokens, decode, cfg, within_slack=False)
-        elif remote is None or (remote.predicted_ttft_s is not None and remote.predicted_ttft_s > ttft_budget_s):
+        elif (remote is None or (remote.predicted_ttft_s is None and tier_starved)
+              or (remote.predicted_ttft_s is not None and remote.predicted_ttft_s > ttft_budget_s)):
             rescue = rescue_long(num_prompt_tokens, kv_tokens, decode, cfg, rescue_rate)
         if rescue is not None and rescue.predicted_ttft_s is not None and rescue.predicted_ttft_s <= ttft_budget_s:
             return rescue

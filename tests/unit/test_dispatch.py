@@ -367,6 +367,7 @@ def test_beside_decode_a_tier_measured_only_alone_promises_nothing_and_a_prompt_
     async def scenario():
         d, pool, _ = dispatcher()
         p0, d0 = measured_prefill(pool, 8000), pool.by_address("d0")  # 800 tok/s, alone only
+        p0.info.host_id = "other"  # on a host of its own: the rescue at once is not for it
         d0.seats.add(d._seat(ticket("running", 10)))  # decode busy
         t = ticket("long", 1600, O, ttft=6.0)
         grant = await d.acquire(t)
@@ -375,6 +376,25 @@ def test_beside_decode_a_tier_measured_only_alone_promises_nothing_and_a_prompt_
             rate_admission
 
     assert run(scenario()) == (Where.REMOTE, None, pytest.approx(1.0), pytest.approx(800.0))
+
+
+def test_beside_decode_on_the_tiers_host_a_long_prompt_is_rescued_at_once_when_the_tier_has_no_rate_there():
+    async def scenario():
+        d, pool, clock = dispatcher()
+        p0, d0 = measured_prefill(pool, 8000), pool.by_address("d0")  # 800 tok/s, alone only
+        d0.seats.add(d._seat(ticket("running", 10)))  # decode busy, no objective: all slack
+        d0.local_meter.start(98.0)
+        d0.local_meter.finish(1000, 100.0)  # 500 tok/s of its own
+        grant = await d.acquire(ticket("long", 1600, O, ttft=6.0))
+        out = [(grant.placement.where, grant.placement.predicted_ttft_s)]
+        d0.seats.clear()
+        p0.info.host_id = "other"  # the tier on a host of its own: not starved by d0
+        d0.seats.add(d._seat(ticket("running", 10)))
+        grant = await d.acquire(ticket("long2", 1600, O, arrival=clock.now, ttft=6.0))
+        out.append((grant.placement.where, grant.placement.predicted_ttft_s))
+        return out
+
+    assert run(scenario()) == [(Where.LOCAL, pytest.approx(3.2)), (Where.REMOTE, None)]
 
 
 def test_a_prefill_worker_that_never_answered_is_given_a_decode_workers_own_prefill_rate():
@@ -436,7 +456,9 @@ def test_a_rescue_is_offered_first_to_an_older_prompt_waiting_on_the_tier_of_the
 
     held, moved, placed, queued, rate = run(scenario())
     assert held == (Where.REMOTE, True, False)
-    assert (moved, placed, queued) == (Where.LOCAL, Where.REMOTE, 800)  # the tier takes the newer one
+    # The newer one after it: d0 now prefills the older one, so the tier on its host has no
+    # rate beside it and is taken to miss (`place(..., tier_starved=True)`); d0 rescues it.
+    assert (moved, placed, queued) == (Where.LOCAL, Where.LOCAL, 0)
     assert rate == pytest.approx(1000.0)  # taken back for its turn: no bound on the tier's rate
 
 

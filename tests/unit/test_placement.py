@@ -70,6 +70,20 @@ def test_a_decode_worker_takes_a_long_prompt_within_its_slack_when_the_tier_woul
     assert place(800, 900, [prefill(tps=None)], busy, CFG, ttft_budget_s=3.0).where is Where.REMOTE
 
 
+def test_a_starved_tier_without_a_rate_beside_decode_is_taken_to_miss():
+    busy = [decode(running=1, tps=1000.0, slack=3.0)]
+    unknown = [prefill(tps=None)]
+    rescued = place(800, 900, unknown, busy, CFG, ttft_budget_s=3.0, tier_starved=True)
+    assert (rescued.where, rescued.predicted_ttft_s) == (Where.LOCAL, pytest.approx(0.8))
+    # The rescue's own rules hold: within the slack, in time, and only with an objective.
+    tight = [decode(running=1, tps=1000.0, slack=0.5)]
+    assert place(800, 900, unknown, tight, CFG, ttft_budget_s=3.0, tier_starved=True).where is Where.REMOTE
+    assert place(800, 900, unknown, busy, CFG, ttft_budget_s=0.7, tier_starved=True).where is Where.REMOTE
+    assert place(800, 900, unknown, busy, CFG, tier_starved=True).where is Where.REMOTE
+    # A rate measured beside decode speaks for the tier: it meets the budget, it goes there.
+    assert place(800, 900, [prefill(tps=400.0)], busy, CFG, ttft_budget_s=3.0, tier_starved=True).where is Where.REMOTE
+
+
 def test_a_long_prompt_the_full_prefill_tier_cannot_take_goes_to_a_decode_worker_in_time():
     full = [prefill(queued=900)]  # 800 more would pass the 1,024-token budget: no room
     busy = [decode(running=2, tps=1000.0, slack=2.0)]

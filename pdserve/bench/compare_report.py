@@ -298,8 +298,17 @@ def compare_dict(cfg: CompareConfig, result: CompareResult) -> dict:
         "measured_in_order": [[name, rate] for name, rate in result.measured_in_order],
         "budget_s": cfg.plan.budget_s, "elapsed_s": result.elapsed_s,
         "cpu_count": os.cpu_count(),
+        "commit": _commit(),  # of the checkout pdserve (and the harness) ran from
     }
     return out
+
+
+def _commit() -> str | None:
+    from pathlib import Path
+
+    from pdserve.bench.compare import git_commit  # compare imports this module
+
+    return git_commit(Path(__file__).resolve().parents[2])
 
 
 def detail_dict(result: CompareResult) -> dict:

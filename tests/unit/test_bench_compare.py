@@ -4,7 +4,9 @@ drivers against a fake pdserve."""
 import argparse
 import dataclasses
 import json
+import subprocess
 import time
+from pathlib import Path
 
 import pytest
 
@@ -287,6 +289,10 @@ def test_pdserve_whole_is_a_builtin_variant_run_after_pdserve_with_its_ratios(tm
     assert doc["ratios"]["goodput_rps"] == pytest.approx(1.0)
     assert doc["ratios_pdserve-whole"]["goodput_rps"] == pytest.approx(1.2 / 0.6)
     assert doc["variants"]["pdserve-whole"]["flags"] == ["--decode-yield", "whole"]
+    head = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True,
+                          cwd=Path(__file__).parent).stdout.strip()
+    assert doc["config"]["commit"].startswith(head) and doc["variants"]["pdserve-whole"]["commit"] == \
+        doc["config"]["commit"]
     table = format_compare(json.loads(json.dumps(doc)))
     assert "######## pdserve-whole ########" in table
     assert "goodput ratio pdserve / vllm: 1\n" in table

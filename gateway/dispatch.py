@@ -105,7 +105,7 @@ class Dispatcher:
         is sooner (a short prompt, or a long one a decode worker would rescue); None: no
         estimate (no recent rate, or a local prefill not yet timed)."""
         prefill = self._workers.routable("prefill")
-        # The rate measured under the decode load there is now (admission.ServiceMeter: a
+        # The rate measured under the decode load there is now (meters.ServiceMeter: a
         # prompt sent with decode idle is not judged by rates measured beside decode).
         contended = self._decode_busy()
         rates, in_flight = [], 0
@@ -379,7 +379,7 @@ class Dispatcher:
 
     def _decode_busy(self) -> bool:
         """The decode tier has requests running (a prefill beside it on shared cores runs
-        slower: `admission.ServiceMeter`)."""
+        slower: `meters.ServiceMeter`)."""
         return any(w.seats for w in self._workers.routable("decode"))
 
     def _prefix_index(self) -> PrefixIndex:

@@ -24,8 +24,8 @@ from dataclasses import dataclass, field, replace
 import grpc
 from grpc_health.v1 import health_pb2_grpc
 
-from gateway.admission import (BEST_CASE_QUANTILE, JoinMeter, LatencyMeter, RatioMeter, ServiceMeter,
-                               StepMeter)
+from gateway.admission import BEST_CASE_QUANTILE
+from gateway.meters import JoinMeter, LatencyMeter, RatioMeter, ServiceMeter, StepMeter
 from gateway.decode_stream import DecodeStreams
 from gateway.placement import DecodeLoad, PrefillLoad, RunningRequest, decode_slack_s, join_slack_s
 from pdserve import rpc

@@ -305,7 +305,8 @@ def bench_config(args: argparse.Namespace) -> BenchConfig:
 
 
 def compare_config(args: argparse.Namespace, model: Path) -> CompareConfig:
-    from pdserve.bench.compare import CompareConfig, SearchPlan, Variant, default_systems
+    from pdserve.bench.compare import CompareConfig, SearchPlan, default_systems
+    from pdserve.bench.variants import Variant
 
     workload_name = args.workload or "short"
     systems = (tuple(s.strip() for s in args.systems.split(",") if s.strip()) if args.systems

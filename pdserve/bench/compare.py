@@ -37,9 +37,6 @@ import asyncio
 import dataclasses
 import math
 import os
-import re
-import shlex
-import subprocess
 import sys
 import time
 from collections import Counter
@@ -55,12 +52,12 @@ from pdserve.bench.record import RequestRecord
 from pdserve.bench.runner import BenchConfig, RunResult, make_backend, run_load, warm_up
 from pdserve.bench.search import RateSearch, SearchConfig, SearchOutcome, round_rate
 from pdserve.bench.servers import ServerError, ServerProcess, ServerSpec, free_port
+from pdserve.bench.variants import BUILTIN_VARIANTS, REPO_ROOT, Variant
 
 # The order systems run in: vLLM calibrates; fifo before slo so that pdserve (slo) can be
 # measured at the rate where fifo failed its interactive class. Variants (`Variant`,
 # pdserve-NAME) run after them, in the order given.
 SYSTEMS = ("vllm", "pdserve-fifo", "pdserve")
-VARIANT_PREFIX = "pdserve-"
 DEFAULT_NUM_REQUESTS = 40
 # Each measured rate lasts at least this long (more requests than `num_requests` at high
 # rates): this machine's speed moves by a quarter in phases of tens of seconds, and 40
@@ -79,69 +76,6 @@ CALIBRATION_SEED_OFFSET = 2_000_003  # keeps the unloaded run's prompts apart
 
 def default_systems(workload_name: str) -> tuple[str, ...]:
     return ("vllm", "pdserve-fifo", "pdserve") if workload_name == "mixed" else ("vllm", "pdserve")
-
-
-@dataclass(slots=True, frozen=True)
-class Variant:
-    """Another pdserve measured beside the default one, turn by turn on the same requests:
-    system pdserve-NAME, `pdserve up` with ``flags`` added, from the checkout at ``source``
-    (None: this one). This machine's speed drifts by a fifth within an hour, so two
-    compares run one after the other cannot judge a change of a few requests in 40; an
-    interleaved A/B can (`--variant`)."""
-
-    name: str
-    flags: tuple[str, ...] = ()
-    source: Path | None = None
-
-    @property
-    def system(self) -> str:
-        return VARIANT_PREFIX + self.name
-
-    @classmethod
-    def parse(cls, spec: str) -> "Variant":
-        """NAME[@SOURCE]=FLAGS, e.g. `fixed=--long-prefill-tokens 256 --no-long-prefill-adaptive`
-        or `base@/work/wt/base=` (the checkout at /work/wt/base, no flags)."""
-        head, sep, flags = spec.partition("=")
-        name, at, source = head.partition("@")
-        name = name.strip()
-        if not sep or not re.fullmatch(r"[a-z0-9][a-z0-9_]*", name) or name == "fifo":
-            raise ValueError(f"variant {spec!r}: want NAME[@SOURCE]=FLAGS with NAME of lower-case "
-                             f"letters, digits and '_' (not 'fifo'), e.g. "
-                             f"'fixed=--no-long-prefill-adaptive'")
-        root = None
-        if at:
-            root = Path(source.strip()).expanduser().resolve()
-            if not (root / "pdserve" / "cli.py").is_file():
-                raise ValueError(f"variant {name}: {root} is not a pdserve checkout "
-                                 f"(no pdserve/cli.py there)")
-        try:
-            argv = tuple(shlex.split(flags))
-        except ValueError as e:
-            raise ValueError(f"variant {name}: cannot split its flags {flags!r}: {e}") from e
-        if not argv and root is None:
-            raise ValueError(f"variant {name}: no flags and no @SOURCE: it would be pdserve itself")
-        return cls(name, argv, root)
-
-    def describe(self) -> dict:
-        return {"flags": list(self.flags), "source": None if self.source is None else str(self.source),
-                "commit": git_commit(self.source or Path(__file__).resolve().parents[2])}
-
-
-# Variants --systems may name without --variant (older commands in docs/benchmarks.md).
-BUILTIN_VARIANTS = {v.system: v for v in (Variant("whole", ("--decode-yield", "whole")),)}
-
-
-def git_commit(root: Path) -> str | None:
-    """The checkout's HEAD commit (with "+dirty" when it has changes); None: not a git
-    checkout."""
-    try:
-        head = subprocess.run(["git", "-C", str(root), "rev-parse", "--short=12", "HEAD"],
-                              capture_output=True, text=True, timeout=10, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=10, check=True).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return head + ("+dirty" if dirty else "")
 
 
 @dataclass(slots=True, frozen=True)
@@ -294,7 +228,7 @@ def pdserve_argv(port: int, model: Path, max_model_len: int, system: str = "pdse
 def source_root_env(root: Path | None = None) -> dict[str, str]:
     """PYTHONPATH with this checkout (or ``root``, a variant's) first, so `-m pdserve.cli`
     works uninstalled too and runs that checkout's code."""
-    first = str(root or Path(__file__).resolve().parents[2])
+    first = str(root or REPO_ROOT)
     rest = os.environ.get("PYTHONPATH")
     return {"PYTHONPATH": first + (os.pathsep + rest if rest else "")}
 

@@ -33,6 +33,7 @@ from pdserve.bench.record import RequestRecord
 from pdserve.bench.report import jsonable
 from pdserve.bench.runner import RunResult
 from pdserve.bench.search import SearchOutcome, SearchStatus
+from pdserve.bench.variants import REPO_ROOT, VARIANT_PREFIX, git_commit
 
 if TYPE_CHECKING:  # compare imports this module; the types are only annotations here
     from pdserve.bench.compare import CompareConfig, CompareResult, SystemResult
@@ -153,7 +154,7 @@ def at_rate(system: dict, rate: float) -> dict:
 
 def variant_names(names) -> list[str]:
     """The variants (pdserve-NAME, not pdserve-fifo) among system names, in their order."""
-    return [n for n in names if n.startswith("pdserve-") and n != "pdserve-fifo"]
+    return [n for n in names if n.startswith(VARIANT_PREFIX) and n != "pdserve-fifo"]
 
 
 def ratio_keys(names) -> list[tuple[str, str]]:
@@ -298,17 +299,9 @@ def compare_dict(cfg: CompareConfig, result: CompareResult) -> dict:
         "measured_in_order": [[name, rate] for name, rate in result.measured_in_order],
         "budget_s": cfg.plan.budget_s, "elapsed_s": result.elapsed_s,
         "cpu_count": os.cpu_count(),
-        "commit": _commit(),  # of the checkout pdserve (and the harness) ran from
+        "commit": git_commit(REPO_ROOT),  # of the checkout pdserve (and the harness) ran from
     }
     return out
-
-
-def _commit() -> str | None:
-    from pathlib import Path
-
-    from pdserve.bench.compare import git_commit  # compare imports this module
-
-    return git_commit(Path(__file__).resolve().parents[2])
 
 
 def detail_dict(result: CompareResult) -> dict:

@@ -9,12 +9,11 @@ from gateway.admission import (
     MIN_RETRY_S,
     Forecast,
     Reason,
-    ServiceMeter,
-    StepMeter,
     decide,
     predict_ttft_s,
     remaining_tokens,
 )
+from gateway.meters import ServiceMeter, StepMeter
 
 
 def test_service_meter_counts_busy_time_only():
@@ -184,7 +183,7 @@ def test_a_refusal_never_prints_the_forecast_equal_to_the_objective():
 
 
 def test_ratio_quantile_is_the_lower_neighbour_of_recent_ratios():
-    from gateway.admission import RatioMeter
+    from gateway.meters import RatioMeter
 
     m = RatioMeter(max_age_s=10.0)
     m.observe(0.090, 0.100, 0.0)  # 0.9
@@ -251,7 +250,7 @@ def test_service_meter_remembers_its_rate_alone_past_the_recent_window():
 
 
 def test_latency_meter_fits_a_fixed_part_and_a_part_per_token():
-    from gateway.admission import LatencyMeter
+    from gateway.meters import LatencyMeter
 
     m = LatencyMeter()
     assert m.fit(0.0) is None
@@ -263,7 +262,7 @@ def test_latency_meter_fits_a_fixed_part_and_a_part_per_token():
 
 
 def test_latency_meter_without_a_slope_to_fit_predicts_the_median():
-    from gateway.admission import LatencyMeter
+    from gateway.meters import LatencyMeter
 
     alike, sloping_down, steep = LatencyMeter(), LatencyMeter(), LatencyMeter()
     for seconds in (0.2, 0.3, 0.22):
@@ -283,7 +282,7 @@ def test_latency_meter_is_not_set_by_one_slow_prefill():
     """The interleaved short compare's first request after 75 s idle: 1.03 s. Alone it is
     no fit (admission would refuse every short prompt on it); among warm ones, the median
     keeps it out."""
-    from gateway.admission import LatencyMeter
+    from gateway.meters import LatencyMeter
 
     m = LatencyMeter()
     m.observe(40, 1.03, 0.0)
@@ -296,7 +295,7 @@ def test_latency_meter_is_not_set_by_one_slow_prefill():
 
 
 def test_ratio_meter_is_the_median_of_recent_requests_measured_over_predicted():
-    from gateway.admission import RatioMeter
+    from gateway.meters import RatioMeter
 
     m = RatioMeter()
     m.observe(0.110, 0.100, 1.0)
@@ -344,7 +343,7 @@ def test_step_meter_life_uses_a_larger_bucket_when_no_smaller_one_is_recent():
 
 
 def test_step_meter_life_counts_the_requests_expected_to_join():
-    from gateway.admission import Arrivals
+    from gateway.meters import Arrivals
 
     s = StepMeter(min_samples=1)
     for batch, step in ((1, 0.040), (2, 0.060), (4, 0.100), (8, 0.200)):
@@ -361,7 +360,7 @@ def test_step_meter_life_counts_the_requests_expected_to_join():
 
 
 def test_join_meter_gives_joins_per_step_and_their_mean_length_over_its_window():
-    from gateway.admission import Arrivals, JoinMeter
+    from gateway.meters import Arrivals, JoinMeter
 
     m = JoinMeter(window_s=10.0, min_span_s=2.0)
     assert m.arrivals(0.1, 0.0) is None

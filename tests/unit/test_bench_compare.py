@@ -300,7 +300,8 @@ def test_pdserve_whole_is_a_builtin_variant_run_after_pdserve_with_its_ratios(tm
 
 
 def test_variant_flags_and_source_run_after_the_others_from_their_checkout(tmp_path):
-    from pdserve.bench.compare import Variant, pdserve_spec
+    from pdserve.bench.compare import pdserve_spec
+    from pdserve.bench.variants import Variant
 
     other = tmp_path / "other"
     (other / "pdserve").mkdir(parents=True)
@@ -333,7 +334,7 @@ def test_variant_flags_and_source_run_after_the_others_from_their_checkout(tmp_p
 
 
 def test_a_variant_is_paired_with_pdserve_request_by_request(tmp_path):
-    from pdserve.bench.compare import Variant
+    from pdserve.bench.variants import Variant
 
     cfg = dataclasses.replace(compare_cfg(tmp_path), variants=(Variant("b", ("--x",)),))
     search = SearchConfig(start_rps=0.5, floor_rps=0.25, bisections=0)

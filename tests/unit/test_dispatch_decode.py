@@ -28,7 +28,7 @@ def test_decode_seats_wait_when_every_decode_worker_is_full():
     assert run(scenario()) == ("d0", 8)
 
 def test_decode_step_estimate_leaves_out_gaps_a_local_prefill_ran_in():
-    from gateway.admission import StepMeter
+    from gateway.meters import StepMeter
     from gateway.workers import Seat
 
     async def scenario():
@@ -109,7 +109,7 @@ def test_one_slow_local_prefill_refuses_nothing():
     assert ttft == pytest.approx(0.2)
 
 def test_admission_scales_the_step_estimate_by_what_finished_requests_measured():
-    from gateway.admission import StepMeter
+    from gateway.meters import StepMeter
 
     async def scenario():
         d, pool, clock = dispatcher()
@@ -154,7 +154,7 @@ def test_tpot_admission_counts_running_requests_leaving_during_the_new_ones_life
     """Two running requests 4 tokens from their ends: a 33-token request runs 4 steps at a
     batch of 3 and 28 alone, 65 ms on average: admitted under a 90 ms objective that the
     batch it joins (100 ms a step) would refuse it on; with 40 to go they outlive it."""
-    from gateway.admission import StepMeter
+    from gateway.meters import StepMeter
     from gateway.workers import Seat
 
     d, pool, clock = dispatcher()
@@ -179,7 +179,7 @@ def test_tpot_admission_refuses_only_what_misses_even_in_the_best_case():
     ms (the median), at best 64 ms (the luckiest of them). Under a 66 ms objective the
     request is admitted (a quarter of them, 0.9x, would have said 72 ms and refused it);
     under 60 ms refused."""
-    from gateway.admission import StepMeter
+    from gateway.meters import StepMeter
 
     d, pool, clock = dispatcher()
     d0 = pool.by_address("d0")
@@ -201,7 +201,7 @@ def test_tpot_admission_counts_the_requests_joining_at_the_recent_rate():
     33-token request on an idle worker shares its steps with about 0.12 j others by step
     j, 90.6 ms a token on average, and is refused under an 85 ms objective that its first
     step alone (60 ms) would meet."""
-    from gateway.admission import StepMeter
+    from gateway.meters import StepMeter
     from gateway.workers import Seat
 
     d, pool, clock = dispatcher()

@@ -17,7 +17,7 @@ from tests.unit.dispatching import I, O, dispatcher, run
 def _interactive_decoding(d, pool, clock):
     """d0 runs one interactive request with 0.46 s to spare at 30 ms a step (batch 1), which
     an offline request of 64 tokens beside it at 45 ms (batch 2) would make late."""
-    from gateway.admission import StepMeter
+    from gateway.meters import StepMeter
     from gateway.workers import Seat
 
     d0 = pool.by_address("d0")

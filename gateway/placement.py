@@ -163,11 +163,7 @@ def place(num_prompt_tokens: int, kv_tokens: int, prefill: list[PrefillLoad], de
     shared cores it runs at idle priority, and such a prompt was moved to a decode worker
     after `PlacementConfig.stall_unknown_s` anyway (13 and 14 of the 15 and 14 long prompts
     sent beside another request in the twenty-second session's two long A/B runs), its
-    wait on the tier added to its first token and the tier's work on it thrown away. Not
-    onto a decode worker already prefilling a long prompt: the tier's miss is a guess there,
-    while a second long prefill stacked on the first is a sure stall for everything behind
-    them (seen in the mixed A/B of 62c5da7: an interactive prompt 4 s later waited behind
-    two long prefills' chunks, 1.14 s to its first token against a 1.03 s objective).
+    wait on the tier added to its first token and the tier's work on it thrown away.
     """
     remote = _best_remote(num_prompt_tokens, prefill, cfg) if remote_open else None
     local = _best_local(num_prompt_tokens, kv_tokens, decode, cfg)
@@ -176,11 +172,9 @@ def place(num_prompt_tokens: int, kv_tokens: int, prefill: list[PrefillLoad], de
         if num_prompt_tokens <= cfg.local_prefill_max_tokens:
             if remote is None or remote.predicted_ttft_s is None or remote.predicted_ttft_s > ttft_budget_s:
                 rescue = _best_local(num_prompt_tokens, kv_tokens, decode, cfg, within_slack=False)
-        elif remote is None or (remote.predicted_ttft_s is not None and remote.predicted_ttft_s > ttft_budget_s):
+        elif (remote is None or (remote.predicted_ttft_s is None and tier_starved)
+              or (remote.predicted_ttft_s is not None and remote.predicted_ttft_s > ttft_budget_s)):
             rescue = rescue_long(num_prompt_tokens, kv_tokens, decode, cfg, rescue_rate)
-        elif remote.predicted_ttft_s is None and tier_starved:
-            rescue = rescue_long(num_prompt_tokens, kv_tokens, [d for d in decode if not _prefilling_long(d, cfg)],
-                                 cfg, rescue_rate)
         if rescue is not None and rescue.predicted_ttft_s is not None and rescue.predicted_ttft_s <= ttft_budget_s:
             return rescue
     if local is None or remote is None:
@@ -194,12 +188,6 @@ def place(num_prompt_tokens: int, kv_tokens: int, prefill: list[PrefillLoad], de
         # takes the prompt within its slack, at a known rate, is the sure start.
         return local
     return local if local.predicted_ttft_s <= remote.predicted_ttft_s else remote
-
-
-def _prefilling_long(load: DecodeLoad, cfg: PlacementConfig) -> bool:
-    """The decode worker's prompts not yet at their first tokens are more than one short
-    prompt's worth: it prefills a long one."""
-    return load.local_prefill_tokens > cfg.local_prefill_max_tokens
 
 
 def place_without_tier(num_prompt_tokens: int, kv_tokens: int, decode: list[DecodeLoad]) -> Placement | None:

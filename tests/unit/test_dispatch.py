@@ -457,9 +457,8 @@ def test_a_rescue_is_offered_first_to_an_older_prompt_waiting_on_the_tier_of_the
     held, moved, placed, queued, rate = run(scenario())
     assert held == (Where.REMOTE, True, False)
     # The newer one after it: d0 now prefills the older one, so the tier on its host has no
-    # rate beside it (`place(..., tier_starved=True)`), yet a second long prefill is not
-    # stacked on d0's: the newer one goes to the tier.
-    assert (moved, placed, queued) == (Where.LOCAL, Where.REMOTE, 800)
+    # rate beside it and is taken to miss (`place(..., tier_starved=True)`); d0 rescues it.
+    assert (moved, placed, queued) == (Where.LOCAL, Where.LOCAL, 0)
     assert rate == pytest.approx(1000.0)  # taken back for its turn: no bound on the tier's rate
 
 

@@ -84,24 +84,6 @@ def test_a_starved_tier_without_a_rate_beside_decode_is_taken_to_miss():
     assert place(800, 900, [prefill(tps=400.0)], busy, CFG, ttft_budget_s=3.0, tier_starved=True).where is Where.REMOTE
 
 
-def test_a_starved_tier_does_not_stack_a_second_long_prefill_on_a_decode_worker():
-    unknown = [prefill(tps=None)]
-    # d0 prefills a 900-token prompt: 1.7 s for both would meet the 3 s budget, yet the
-    # tier's miss is a guess and the stall behind two long prefills is not: the tier.
-    stacked = [decode(running=2, local_tokens=900, tps=1000.0, slack=3.0)]
-    assert place(800, 900, unknown, stacked, CFG, ttft_budget_s=3.0, tier_starved=True).where is Where.REMOTE
-    # A short prompt's worth pending (256 tokens, the local limit) does not hold it back.
-    short = [decode(running=2, local_tokens=256, tps=1000.0, slack=3.0)]
-    rescued = place(800, 900, unknown, short, CFG, ttft_budget_s=3.0, tier_starved=True)
-    assert (rescued.where, rescued.predicted_ttft_s) == (Where.LOCAL, pytest.approx(1.056))
-    # Another decode worker prefilling nothing long takes it.
-    two = stacked + [decode("d1", running=1, tps=1000.0, slack=3.0)]
-    assert place(800, 900, unknown, two, CFG, ttft_budget_s=3.0, tier_starved=True).worker == "d1"
-    # A tier known to miss (full) still sends it to the decode worker, stacked or not.
-    full = [prefill(queued=900, tps=None)]
-    assert place(800, 900, full, stacked, CFG, ttft_budget_s=3.0, tier_starved=True).where is Where.LOCAL
-
-
 def test_a_long_prompt_the_full_prefill_tier_cannot_take_goes_to_a_decode_worker_in_time():
     full = [prefill(queued=900)]  # 800 more would pass the 1,024-token budget: no room
     busy = [decode(running=2, tps=1000.0, slack=2.0)]

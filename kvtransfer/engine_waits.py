@@ -1,7 +1,8 @@
 """How an engine's two processes wait for each other's messages on cores shared by two engines.
 
-A CPU engine runs its model in a worker process beside its engine-core process (vLLM uses
-the multiprocess executor on CPU), and each waits for the other's messages on a
+A CPU engine run with `--executor mp` (vLLM's multiprocess executor, its choice on CPUs; pdserve's
+default is uni, pdserve.engine.computes_in_engine_core) computes in a model-worker process
+beside its engine-core process, and each waits for the other's messages on a
 shared-memory queue by looping on sched_yield for a second after its last read
 (`SpinCondition.busy_loop_s`) before it sleeps on a zmq notification. Both patches here
 change that loop for every queue of the process (the KV connector installs them on import,

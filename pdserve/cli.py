@@ -7,7 +7,7 @@ import os
 import sys
 
 from pdserve import envvars
-from pdserve.config import GATEWAY_POLICIES, GatewayConfig, WorkerConfig, per_class
+from pdserve.config import ENGINE_EXECUTORS, GATEWAY_POLICIES, GatewayConfig, WorkerConfig, per_class
 
 
 def _model_arg(p: argparse.ArgumentParser) -> None:
@@ -25,6 +25,11 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-gib", type=int, default=2, help="KV cache size per CPU engine, GiB (whole)")
     p.add_argument("--block-size", type=int, default=32, help="tokens per KV block (a multiple of 32 on CPU)")
     p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
+    p.add_argument("--executor", choices=ENGINE_EXECUTORS, default="uni",
+                   help="uni: a CPU engine computes in its engine-core process (one process beside the "
+                        "worker's front end); mp: in a model-worker process of its own, as vLLM does on "
+                        "CPUs by default (docs/benchmarks.md measures both); GPU engines of one device "
+                        "run uni either way")
 
 
 def _policy_args(p: argparse.ArgumentParser) -> None:
@@ -95,6 +100,7 @@ def cmd_worker(args) -> int:
         cpus=args.cpus,
         sched=args.sched,
         kv_cache_gib=args.kv_cache_gib,
+        executor=args.executor,
         block_size=args.block_size,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 ROLES = ("prefill", "decode")
 KV_TRANSPORTS = ("shm", "tcp", "nccl", "cuda_ipc")
 LOAD_FAILURE_POLICIES = ("fail", "recompute")
+ENGINE_EXECUTORS = ("uni", "mp")
 
 
 # A decode worker prefills a long prompt (a rescue) in chunks of at least this many tokens
@@ -42,6 +43,9 @@ class WorkerConfig:
     gpu_memory_utilization: float | None = None
     # KV cache size in GiB on a CPU engine (VLLM_CPU_KVCACHE_SPACE).
     kv_cache_gib: int = 2
+    # Where a CPU engine computes: "uni", in its engine-core process; "mp", in a model-worker
+    # process of its own (vLLM's choice on CPUs). pdserve.engine.build_engine says why uni.
+    executor: str = "uni"
     # Tokens per KV block. CPU attention needs a multiple of 32.
     block_size: int = 32
     max_model_len: int | None = None
@@ -93,6 +97,8 @@ class WorkerConfig:
             raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
         if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.executor not in ENGINE_EXECUTORS:
+            raise ValueError(f"--executor must be one of {ENGINE_EXECUTORS}, got {self.executor!r}")
         if self.sched not in ("normal", "idle"):
             raise ValueError(f"--sched must be normal or idle, got {self.sched!r}")
         if self.block_size <= 0 or self.block_size % 16:

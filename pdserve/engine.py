@@ -7,6 +7,7 @@ request (``detokenize=False``); its tokenizer stays loaded for EOS handling.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import socket
@@ -81,7 +82,40 @@ def build_engine(cfg: WorkerConfig, stat_loggers: list | None = None) -> AsyncLL
         disable_log_stats=False,
         **({"gpu_memory_utilization": cfg.gpu_memory_utilization} if cfg.gpu_memory_utilization else {}),
     )
-    return AsyncLLM.from_engine_args(args, stat_loggers=stat_loggers)
+    vllm_config = args.create_engine_config()
+    with computes_in_engine_core(vllm_config, cfg.executor == "uni"):
+        return AsyncLLM.from_vllm_config(vllm_config, stat_loggers=stat_loggers)
+
+
+@contextlib.contextmanager
+def computes_in_engine_core(vllm_config, uni: bool):
+    """With ``uni``, a CPU engine on one device computes in its engine-core process (vLLM's
+    uni executor, which vLLM turns into mp on CPUs) instead of in a model-worker process
+    beside it: one engine process where vLLM runs two.
+
+    With mp, the engine-core process hands each step to its model worker over a
+    shared-memory queue, and each waits for the other's messages by looping on sched_yield
+    (kvtransfer.engine_waits): beside an OpenMP team that fills the cores, one more runnable
+    process per engine and a queue hop per step. The two are measured side by side in
+    docs/benchmarks.md ("One engine process", `scripts/engine_profile.sh pdserve 5 160 OUT
+    -- --executor mp`); the engine process also holds ~650 MB less memory than the two did.
+
+    vLLM's reason for mp on CPUs is that its model worker's OpenMP environment (thread count
+    and binding, from VLLM_CPU_OMP_THREADS_BIND) is set as that process starts; here the
+    same environment (vLLM's own OMPProcessManager) is in force while the engine-core
+    process starts, which inherits it, and restored after. A GPU engine on one device is
+    uni already; anything else (several devices, mp asked for) stays as vLLM configured it."""
+    from vllm.platforms import current_platform
+
+    parallel = vllm_config.parallel_config
+    if not (uni and current_platform.is_cpu() and parallel.world_size == 1):
+        yield
+        return
+    from vllm.utils.ompmultiprocessing import OMPProcessManager
+
+    parallel.distributed_executor_backend = "uni"
+    with OMPProcessManager(vllm_config).configure_omp_envs(rank=0, local_rank=0):
+        yield
 
 
 def resolve_kv_ports(cfg: WorkerConfig) -> WorkerConfig:

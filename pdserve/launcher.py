@@ -263,6 +263,7 @@ def build_stack(args) -> Stack:
     # Without a prefill tier, the decode engines have every core whatever the split.
     prefill_cpus, decode_cpus = core_split(args.cores if args.prefill else "shared")
     common = ["--model", args.model, "--kv-cache-gib", str(args.kv_cache_gib), "--block-size", str(args.block_size),
+              "--executor", args.executor,
               "--kv-lease-s", str(args.kv_lease_s), "--kv-timeout-s", str(args.kv_timeout_s),
               "--gateway", gateway_address]
     if args.max_model_len:

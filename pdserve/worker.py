@@ -211,16 +211,32 @@ async def _serve(cfg: WorkerConfig, add_servicer: AddServicer, background) -> No
 def _stop_engine(engine) -> None:
     """Stops the engine once its requests are done. vLLM's own shutdown alone (SIGTERM to
     its engine core, which then waits for its model worker) took 5 s in a stack on this
-    project's machine and ended in SIGKILL: the model worker frees its KV cache and runs a
-    full garbage collection on its way out (py-spy), beside the other engine, the prefill
-    engine at idle CPU priority. Nothing in that process is left to save, so it is killed
-    first; the engine core then stops at once and in order."""
+    project's machine and ended in SIGKILL: the process that computes frees its KV cache and
+    runs a full garbage collection on its way out (py-spy), beside the other engine, the
+    prefill engine at idle CPU priority. Nothing in that process is left to save, so it is
+    killed first: the model worker (`--executor mp`), or the engine core that computes
+    itself (`--executor uni`: 4-5 s of teardown, then vLLM's SIGKILL, measured); the shared
+    KV cache it leaves in /dev/shm is removed by `_remove_orphan_kv_cache`. The engine
+    client is told first that the exit is asked for, or its monitor would report the engine
+    core's death as unexpected."""
     import psutil
 
-    for proc in psutil.Process().children(recursive=True):
+    def named(name: str) -> list:
+        found = []
+        for proc in psutil.Process().children(recursive=True):
+            with contextlib.suppress(psutil.Error):
+                if proc.name() == name:
+                    found.append(proc)
+        return found
+
+    workers = named("VLLM::Worker")
+    computing = workers or named("VLLM::EngineCore")
+    resources = getattr(getattr(engine, "engine_core", None), "resources", None)
+    if computing and not workers and resources is not None:
+        resources.engine_dead = True
+    for proc in computing:
         with contextlib.suppress(psutil.Error):
-            if proc.name() == "VLLM::Worker":
-                proc.kill()
+            proc.kill()
     engine.shutdown()
 
 

@@ -7,7 +7,8 @@
 #
 # Needs py-spy on PATH or in $PYSPY (e.g. pip install --target /tmp/pyspy-inst py-spy).
 # PROFILE=0: no py-spy (it takes a core's share: TPOT 35 -> 51 ms under it); STOP_PREFILL=1:
-# the prefill worker stopped while measuring; VLLM_KV=1: vLLM with pdserve's KV connector.
+# the prefill worker stopped while measuring; VLLM_KV=1: vLLM with pdserve's KV connector;
+# VLLM_UNI=1: vLLM computing in its engine-core process (as `pdserve up --executor uni` does).
 # Writes OUTDIR/SYSTEM-cpu.txt, SYSTEM-bench.txt and SYSTEM-profile.txt (collapsed stacks).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -26,7 +27,10 @@ if [ "$SYSTEM" = vllm ]; then
   [ "${VLLM_KV:-0}" = 1 ] && KV=(--kv-transfer-config '{"kv_connector": "PdConnector", "kv_connector_module_path": "kvtransfer.connector", "kv_role": "kv_consumer", "kv_connector_extra_config": {"transports": ["shm"], "producer_id": "probe", "kv_timeout_s": 10, "kv_lease_s": 30}}')
   # Its own temporary directory for the socket files vLLM leaves behind (pdserve/tempdirs.py).
   ENGINE_TMP=$(mktemp -d /tmp/pdserve-engine-$$-XXXXXXXX); trap 'rm -rf "$ENGINE_TMP"' EXIT
-  TMPDIR=$ENGINE_TMP VLLM_RPC_BASE_PATH=$ENGINE_TMP \
+  # VLLM_UNI=1: vLLM's uni executor kept on CPU, with the OpenMP binding its mp worker gets.
+  UNI=()
+  [ "${VLLM_UNI:-0}" = 1 ] && UNI=(VLLM_ENABLE_V1_MULTIPROCESSING=0 OMP_NUM_THREADS=2 "OMP_PLACES={0,1}" OMP_PROC_BIND=true)
+  env "${UNI[@]}" TMPDIR=$ENGINE_TMP VLLM_RPC_BASE_PATH=$ENGINE_TMP \
   PYTHONPATH=$PWD VLLM_CPU_KVCACHE_SPACE=2 VLLM_CPU_OMP_THREADS_BIND=0-1 python -m vllm.entrypoints.openai.api_server \
     --model $MODEL --dtype $DTYPE --block-size 32 --max-model-len 4096 --enforce-eager \
     --enable-prefix-caching --port $PORT --host 127.0.0.1 "${KV[@]}" > $LOG 2>&1 &
@@ -67,8 +71,9 @@ t1=$(date +%s.%N); m1=$(stat); snap > $OUT/s3; threads > $OUT/t3
 [ -n "$stopped" ] && kill -CONT $stopped
 { echo "$SYSTEM, concurrency $C, $N requests, $(echo "$t1 - $t0" | bc) s; busiest pid $busiest (profiled: ${PROFILE:-1}; prefill stopped: ${stopped:-none})"
   echo "$m0" "$m1" | awk -v t=$(echo "$t1 - $t0" | bc) '{b=($13+$14+$15+$18+$19)-($2+$3+$4+$7+$8); s=$20-$9; printf "machine: busy %.2f cores, steal %.3f cores\n", b/100/t, s/100/t}'
-  echo "ticks (1/100 s) per process:"
-  join <(sort $OUT/s2) <(sort $OUT/s3) | while read p a b; do echo "$((b - a)) $p $(name $p)"; done | sort -rn
+  echo "ticks (1/100 s) per process, resident memory at the end:"
+  join <(sort $OUT/s2) <(sort $OUT/s3) | while read p a b; do
+    echo "$((b - a)) $p $(awk '/VmRSS/ {printf "%d MB", $2 / 1024}' /proc/$p/status 2>/dev/null) $(name $p)"; done | sort -rn
   echo "threads with > 0.1 s run: run s, runqueue wait s (waited while runnable), pid:tid name"
   join <(sort $OUT/t2) <(sort $OUT/t3) | awk '{r=($5-$2)/1e9; w=($6-$3)/1e9; if (r > 0.1) printf "%8.2f %8.2f %s %s\n", r, w, $1, $7}' | sort -rn
 } > $OUT/$SYSTEM-cpu.txt

@@ -64,3 +64,40 @@ def test_the_decode_engines_default_cap_is_a_floor_and_the_gateway_is_told_the_c
     assert reported_chunk(sched(384, True, 512)) == 384
     assert reported_chunk(sched(256, False, 512)) == 256
     assert reported_chunk(sched(0, True, 2048)) == 0
+
+
+def test_a_cpu_engine_computes_in_its_engine_core_process_with_the_binding_an_mp_worker_gets(monkeypatch):
+    """uni: vLLM's uni executor kept on a CPU (vLLM makes it mp there), with vLLM's own
+    OpenMP environment for the binding in force only while the engine-core process starts."""
+    from types import SimpleNamespace
+
+    import pytest
+
+    from pdserve.config import WorkerConfig
+    from pdserve.engine import computes_in_engine_core
+
+    def config(world_size=1):
+        parallel = SimpleNamespace(world_size=world_size, local_world_size=world_size,
+                                   data_parallel_rank_local=None, _api_process_count=1,
+                                   distributed_executor_backend="mp")
+        return SimpleNamespace(parallel_config=parallel, kv_transfer_config=object())
+
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0-1")
+    for name in ("OMP_NUM_THREADS", "OMP_PLACES", "OMP_PROC_BIND"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("LD_PRELOAD", "")
+    uni = config()
+    with computes_in_engine_core(uni, True):
+        import os
+
+        assert uni.parallel_config.distributed_executor_backend == "uni"
+        assert (os.environ["OMP_NUM_THREADS"], os.environ["OMP_PLACES"], os.environ["OMP_PROC_BIND"]) == (
+            "2", "{0,1}", "true")
+    assert "OMP_NUM_THREADS" not in os.environ and "OMP_PLACES" not in os.environ
+    for cfg, asked in ((config(), False), (config(world_size=2), True)):
+        with computes_in_engine_core(cfg, asked):
+            assert "OMP_PLACES" not in os.environ
+        assert cfg.parallel_config.distributed_executor_backend == "mp"
+    assert WorkerConfig(role="decode", model="m").executor == "uni"
+    with pytest.raises(ValueError, match="--executor must be one of"):
+        WorkerConfig(role="decode", model="m", executor="ray")

@@ -46,6 +46,12 @@ def test_up_starts_the_gateway_then_workers_that_register_with_it():
     assert "--prefill" not in stack.children[0].argv  # no static worker list: they register
 
 
+def test_workers_compute_in_their_engine_core_process_unless_told_otherwise():
+    for argv, executor in (([], "uni"), (["--executor", "mp"], "mp")):
+        workers = build_stack(up_args(argv=argv)).children[1:]
+        assert [c.argv[c.argv.index("--executor") + 1] for c in workers] == [executor, executor]
+
+
 def test_split_cores_run_no_engine_at_idle_priority():
     stack = build_stack(up_args(argv=["--cores", "split"]))
     assert all("--sched" not in c.argv for c in stack.children)

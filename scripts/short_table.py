@@ -11,6 +11,8 @@ import json
 import sys
 
 d = json.load(open(sys.argv[1]))
+# vllm, pdserve, then any --variant systems (pdserve-NAME) the compare measured.
+SYSTEMS = [n for n in ("vllm", "pdserve") if n in d] + sorted(n for n in d.get("variants", {}) if n in d)
 if "detail" not in d:
     sys.exit(f"{sys.argv[1]}: no per-request records; run the compare with --save-records")
 slo = d["slo"]["by_class"]["default"]
@@ -30,7 +32,7 @@ def tpot_s(record: dict) -> float | None:
 print("| system | rate (req/s) | SLO attainment | refused | other errors | late among served "
       "(TTFT / TPOT) | TTFT p50 / p99 | TPOT p50 / p99 | output tok/s | prefill local / remote / moved |")
 print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-for name in ("vllm", "pdserve"):
+for name in SYSTEMS:
     runs = {x["rate_rps"]: x["records"] for x in d["detail"][name]}
     for m in sorted(d[name]["measurements"], key=lambda m: m["rate_rps"]):
         refused = errors = late_ttft = late_tpot = 0
@@ -55,11 +57,15 @@ print(f"\ngoodput: vllm {d['vllm']['goodput']['goodput_rps'] or d['vllm']['goodp
       f"pdserve {d['pdserve']['goodput']['goodput_rps'] or d['pdserve']['goodput']['status']}; "
       f"ratio {r['goodput_rps']}; output tok/s ratio at {r['at_rate_rps']} req/s "
       f"{r['output_tok_s']}")
+for name in SYSTEMS[2:]:
+    ratios = d.get(f"ratios_{name}", {})
+    print(f"goodput: {name} {d[name]['goodput']['goodput_rps'] or d[name]['goodput']['status']}; "
+          f"ratio to vllm {ratios.get('goodput_rps')}")
 print("turns: " + ", ".join(f"{n} {rate:g}" for n, rate in d["config"].get("measured_in_order", [])))
 
 print("\nTPOT refusals and the served requests sent within 4 s of each (TPOT ms):")
 met = near_all = 0
-for name in ("vllm", "pdserve"):
+for name in SYSTEMS:
     for run in d["detail"][name]:
         records = run["records"]
         for r in records:

@@ -97,8 +97,9 @@ def computes_in_engine_core(vllm_config, uni: bool):
     shared-memory queue, and each waits for the other's messages by looping on sched_yield
     (kvtransfer.engine_waits): beside an OpenMP team that fills the cores, one more runnable
     process per engine and a queue hop per step. The two are measured side by side in
-    docs/benchmarks.md ("One engine process", `scripts/engine_profile.sh pdserve 5 160 OUT
-    -- --executor mp`); the engine process also holds ~650 MB less memory than the two did.
+    docs/benchmarks.md ("Twenty-fourth session", `scripts/engine_profile.sh pdserve 5 160
+    OUT -- --executor mp`): with mp pdserve decoded 4-8% slower than colocated vLLM, with
+    uni at its speed, and the engine holds one process's memory (~640 MB) less.
 
     vLLM's reason for mp on CPUs is that its model worker's OpenMP environment (thread count
     and binding, from VLLM_CPU_OMP_THREADS_BIND) is set as that process starts; here the

@@ -215,7 +215,7 @@ def _stop_engine(engine) -> None:
     runs a full garbage collection on its way out (py-spy), beside the other engine, the
     prefill engine at idle CPU priority. Nothing in that process is left to save, so it is
     killed first: the model worker (`--executor mp`), or the engine core that computes
-    itself (`--executor uni`: 4-5 s of teardown, then vLLM's SIGKILL, measured); the shared
+    itself (`--executor uni`: 4-5 s of teardown, then vLLM's SIGKILL, in its log); the shared
     KV cache it leaves in /dev/shm is removed by `_remove_orphan_kv_cache`. The engine
     client is told first that the exit is asked for, or its monitor would report the engine
     core's death as unexpected."""

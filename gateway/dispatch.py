@@ -1,7 +1,7 @@
 """The dispatcher: the asyncio side of the gateway's queue, admission and placement.
 
 A request's life here:
-  1. `admit`: its class's default objectives are filled in, the forecast (admission.py) is
+  1. `admit`: its class's default objectives are filled in, the forecast (forecast.py) is
      made from the queue and the measured rates, and it is refused at once
      (RESOURCE_EXHAUSTED with a retry hint) if it cannot meet them or its queue is full.
   2. `acquire`: it waits in the queue (queue.py) until `pump` places it (placement.py): on
@@ -27,9 +27,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from gateway import metrics
-from gateway.admission import Forecast, Reason, Refusal, decide, predict_ttft_s, remaining_tokens
+from gateway.admission import Forecast, Reason, Refusal, decide
+from gateway.forecast import Forecaster
 from gateway.placement import (Placement, PlacementConfig, PrefixIndex, Where, local_step_tokens, move_stalled,
-                               place, place_without_tier, rescue_long, soonest_local_ttft_s, stalled_after_s)
+                               place, place_without_tier, soonest_local_ttft_s, stalled_after_s)
 from gateway.queue import Priority, QueueFull, RequestQueue, Ticket
 from gateway.seating import Seating
 from gateway.workers import Seat, Worker, WorkerPool
@@ -77,6 +78,7 @@ class Dispatcher:
         self._clock = clock
         self._waiting: dict[Ticket, asyncio.Future[Grant]] = {}
         self._seating = Seating(workers, placement, admission, clock)
+        self._forecaster = Forecaster(workers, placement)
         self._prefixes: PrefixIndex | None = None
         self._timer: asyncio.TimerHandle | None = None
         # Prompts sent to the prefill tier and unanswered: their worker, and the event that
@@ -93,44 +95,7 @@ class Dispatcher:
 
     def forecast(self, ticket: Ticket) -> Forecast:
         now = self._clock()
-        ttft = self._predict_ttft_s(ticket, self.queue.tokens_ahead(ticket, now), now)
-        tpots = [t for w in self._workers.routable("decode")
-                 if (t := w.predict_join_tpot_s(ticket.max_tokens, now)) is not None]
-        return Forecast(ttft, min(t for t, _ in tpots) if tpots else None,
-                        min(best for _, best in tpots) if tpots else None)
-
-    def _predict_ttft_s(self, ticket: Ticket, queued_ahead: int, now: float) -> float | None:
-        """Its time to first token counted from its arrival, with ``queued_ahead`` prompt
-        tokens queued before it: through the prefill tier, or on a decode worker where that
-        is sooner (a short prompt, or a long one a decode worker would rescue); None: no
-        estimate (no recent rate, or a local prefill not yet timed)."""
-        prefill = self._workers.routable("prefill")
-        # The rate measured under the decode load there is now (meters.ServiceMeter: a
-        # prompt sent with decode idle is not judged by rates measured beside decode).
-        contended = self._decode_busy()
-        rates, in_flight = [], 0
-        for w in prefill:
-            rate = w.prefill_meter.tokens_per_s(now, w.queued_tokens, contended)
-            if rate:
-                rates.append(rate)
-            in_flight += remaining_tokens(w.queued_tokens, w.prefill_meter.working_s(now), rate)
-        ttft = predict_ttft_s(queued_ahead + in_flight, ticket.num_prompt_tokens, sum(rates) if rates else None)
-        decode = self._workers.decode_loads(now)
-        kv_tokens = ticket.num_prompt_tokens + ticket.max_tokens
-        if ttft is not None and (rescue := rescue_long(ticket.num_prompt_tokens, kv_tokens, decode,
-                                                       self._placement, self._rescue_rate(now))) is not None:
-            # A decode worker would take it within its slack if the tier cannot start it in time.
-            if rescue.predicted_ttft_s is not None:
-                ttft = min(ttft, rescue.predicted_ttft_s)
-        if ticket.num_prompt_tokens <= self._placement.local_prefill_max_tokens:
-            local = [d.local_ttft_s(ticket.num_prompt_tokens, fitted_only=True)
-                     for d in decode if d.has_seat(kv_tokens)]
-            known = [t for t in local if t is not None]
-            if known:
-                ttft = min(known) if ttft is None else min(ttft, min(known))
-            elif local:  # it may run here, at a time not measured yet: no refusal on TTFT
-                ttft = None
-        return None if ttft is None else ttft + now - ticket.arrival_s
+        return self._forecaster.forecast(ticket, self.queue.tokens_ahead(ticket, now), now)
 
     def admit(self, ticket: Ticket) -> None:
         """Raises Refused when the ticket cannot meet its objectives or its queue is full."""
@@ -212,7 +177,7 @@ class Dispatcher:
             if ticket not in self._waiting:
                 continue
             if ticket.ttft_slo_s is not None:
-                predicted = self._predict_ttft_s(ticket, ahead, now)
+                predicted = self._forecaster.ttft_s(ticket, ahead, now)
                 if predicted is not None and predicted > ticket.ttft_slo_s:
                     self.queue.remove(ticket)
                     self._refuse_late(ticket, predicted, now)
@@ -307,13 +272,13 @@ class Dispatcher:
         if not tier:  # no prefix to match, no tier load to read
             return place_without_tier(ticket.num_prompt_tokens, ticket.num_prompt_tokens + ticket.max_tokens, decode)
         matched = self._prefix_index().matched_tokens(self._prefix_keys(ticket))
-        contended = self._decode_busy()
-        peer = None if contended else self._local_rate(now)
+        contended = self._forecaster.decode_busy()
+        peer = None if contended else self._forecaster.local_rate(now)
         prefill = [w.prefill_load(now, matched.get(w.address, 0), contended, peer) for w in tier]
         budget = None if ticket.ttft_slo_s is None else ticket.arrival_s + ticket.ttft_slo_s - now
         return place(ticket.num_prompt_tokens, ticket.num_prompt_tokens + ticket.max_tokens,
                      prefill, decode, self._placement, remote_open, budget if self._admission else None,
-                     self._rescue_rate(now), tier_starved=self._tier_starved())
+                     self._forecaster.rescue_rate(now), tier_starved=self._tier_starved())
 
     def _tier_starved(self) -> bool:
         """Every prefill worker shares its host's cores with a decode worker running
@@ -323,24 +288,12 @@ class Dispatcher:
         return bool(tier) and all(w.info is not None and w.info.kv_device != "cuda" and w.info.host_id in busy
                                   for w in tier)
 
-    def _rescue_rate(self, now: float) -> float | None:
-        """The prefill tier's fastest recent rate with decode idle: what a decode worker that
-        has timed no prefill of its own is taken to prefill a rescued long prompt at."""
-        return max((r for w in self._workers.routable("prefill")
-                    if (r := w.prefill_meter.tokens_per_s(now, contended=False))), default=None)
-
-    def _local_rate(self, now: float) -> float | None:
-        """The fastest rate a decode worker has prefilled its own prompts at, however long
-        ago: what a prefill worker that has none of its own is taken to run at alone."""
-        return max((r for w in self._workers.routable("decode")
-                    if (r := w.local_meter.alone_tokens_per_s(now))), default=None)
-
     def _reserve(self, ticket: Ticket, placement: Placement, now: float) -> Seat | None:
         worker = self._workers.by_address(placement.worker)
         if placement.where is Where.REMOTE:
             worker.queued_tokens += ticket.num_prompt_tokens
             worker.num_prefills += 1
-            worker.prefill_meter.start(now, self._decode_busy())
+            worker.prefill_meter.start(now, self._forecaster.decode_busy())
             self._prefix_index().record(self._prefix_keys(ticket), worker.address)
             return None
         seat = self._seat(ticket)
@@ -377,11 +330,6 @@ class Dispatcher:
         for p in Priority:
             metrics.QUEUE_LENGTH.labels(p.label).set(self.queue.num_queued(p))
 
-    def _decode_busy(self) -> bool:
-        """The decode tier has requests running (a prefill beside it on shared cores runs
-        slower: `meters.ServiceMeter`)."""
-        return any(w.seats for w in self._workers.routable("decode"))
-
     def _prefix_index(self) -> PrefixIndex:
         if self._prefixes is None:
             info = next((w.info for w in self._workers.workers if w.info is not None), None)
@@ -409,7 +357,7 @@ class Dispatcher:
             worker.prefill_meter.cancel(now)
         else:
             worker.prefill_meter.finish(max(ticket.num_prompt_tokens - num_cached_tokens, 1), now,
-                                        self._decode_busy())
+                                        self._forecaster.decode_busy())
         self.pump()
 
     def stalled_after_s(self, ticket: Ticket, placement: Placement) -> float | None:
@@ -434,7 +382,7 @@ class Dispatcher:
         # A prompt past its objective moves within slack only while no other prompt waits for
         # it: not when offered a rescue ahead of a newer one, nor with prompts queued here.
         placement = move_stalled(ticket.num_prompt_tokens, ticket.num_prompt_tokens + ticket.max_tokens, decode,
-                                 self._placement, budget if self._admission else None, self._rescue_rate(now),
+                                 self._placement, budget if self._admission else None, self._forecaster.rescue_rate(now),
                                  late_rescue=not offered and not self._waiting)
         if placement is None:
             if offered:

@@ -155,8 +155,13 @@ def test_mixed_policy_compares_interactive_at_fifos_first_failing_rate(tmp_path)
     assert by_class["interactive"]["slo_attainment"] == 0.5
     assert by_class["interactive"]["ttft_p90_s"] == pytest.approx(3.0)
     assert by_class["offline"]["num_requests"] == 2
-    assert "policy (interactive at 0.4 req/s): slo 90.0% vs fifo 50.0% (+40.0 points)" in \
-        format_compare(doc)
+    assert p["by_rate"] == [
+        {"rate_rps": 0.2, "fifo_attainment": 1.0, "slo_attainment": 1.0, "slo_minus_fifo_points": 0.0},
+        {"rate_rps": 0.4, "fifo_attainment": 0.5, "slo_attainment": 0.9,
+         "slo_minus_fifo_points": pytest.approx(40.0)}]
+    assert ("policy (interactive at 0.4 req/s): slo 90.0% vs fifo 50.0% (+40.0 points)\n"
+            "  at 0.2 req/s: slo 100.0% vs fifo 100.0% (+0.0 points)\n"
+            "  at 0.4 req/s: slo 90.0% vs fifo 50.0% (+40.0 points)") in format_compare(doc)
     detail = detail_dict(result)
     assert [len(x["records"]) for x in detail["pdserve-fifo"]] == [12, 12]
     # Read back from JSON (scripts/class_attainment.py): the records as they were, by rate.

@@ -217,7 +217,8 @@ def policy_by_rate(fifo: SystemResult, slo: SystemResult) -> list[dict]:
     rows = []
     for f_run in sorted(fifo.runs, key=lambda r: r.load.rate_rps):
         s_run = slo_runs.get(f_run.load.rate_rps)
-        f, s = (None if run is None else interactive_attainment(run) for run in (f_run, s_run))
+        f = interactive_attainment(f_run)
+        s = None if s_run is None else interactive_attainment(s_run)
         if f is not None and s is not None:
             rows.append({"rate_rps": f_run.load.rate_rps, "fifo_attainment": f, "slo_attainment": s,
                          "slo_minus_fifo_points": 100 * (s - f)})

@@ -224,6 +224,11 @@ def _add_compare_args(p: argparse.ArgumentParser) -> None:
                    help="interleaved: what the systems not measuring do: freeze (SIGSTOP, "
                         "so their idle polling takes no CPU from the one measuring) or run "
                         "(idle; their CPU is still reported per measurement)")
+    g.add_argument("--fifo-engines", choices=("shared", "own"), default="shared",
+                   help="interleaved: pdserve-fifo's engines: shared: a gateway with fifo's "
+                        "flags over pdserve's workers (three engines with vLLM's, so the mixed "
+                        "compare fits in memory and is measured in turns); own: a `pdserve up` "
+                        "of its own")
     g.add_argument("--log-dir", type=Path, default=Path("bench-logs"),
                    help="server output goes to LOG_DIR/<system>.log")
 
@@ -320,7 +325,7 @@ def compare_config(args: argparse.Namespace, model: Path) -> CompareConfig:
         vllm_kv_cache_gib=args.vllm_kv_cache_gib, pdserve_target=args.pdserve_target,
         vllm_url=args.vllm_url, boot_timeout_s=args.boot_timeout_s,
         sequential=args.sequential, freeze_idle=args.idle_systems == "freeze",
-        min_duration_s=args.min_duration_s, variants=variants)
+        min_duration_s=args.min_duration_s, variants=variants, fifo_engines=args.fifo_engines)
 
 
 def _write_json(doc: dict, where: str) -> None:

@@ -43,6 +43,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pdserve.bench import shared_fifo
 from pdserve.bench.calibration import Calibration, CalibrationError, calibrate
 from pdserve.bench.compare_report import policy_rate
 from pdserve.bench.loadgen import LoadConfig
@@ -128,6 +129,9 @@ class CompareConfig:
     min_duration_s: float = DEFAULT_MIN_DURATION_S
     # Other pdserves measured beside the default one (pdserve-NAME); `systems` lists them.
     variants: tuple[Variant, ...] = ()
+    # Interleaved: pdserve-fifo's gateway serves from pdserve's workers ("shared",
+    # `pdserve.bench.shared_fifo`) or runs a stack of its own ("own").
+    fifo_engines: str = "shared"
 
     def __post_init__(self) -> None:
         if self.min_duration_s < 0:
@@ -156,6 +160,13 @@ class CompareConfig:
         return (*(s for s in SYSTEMS if s in self.systems),
                 *(v.system for v in self.variants if v.system in self.systems))
 
+    def fifo_shares_engines(self) -> bool:
+        """Whether the compare boots pdserve-fifo as a gateway over pdserve's workers
+        (`pdserve.bench.shared_fifo`): interleaved, both systems booted here."""
+        return (self.fifo_engines == "shared" and not self.sequential
+                and {"pdserve-fifo", "pdserve"} <= set(self.systems)
+                and self.given_address("pdserve") is None)
+
     def variant(self, system: str) -> Variant | None:
         return next((v for v in self.variants if v.system == system), None)
 
@@ -180,6 +191,8 @@ class SystemResult:
     error: str | None = None
     # Interleaved: per run (same order), the cores each other booted system used meanwhile.
     others_idle_cores: list[dict[str, float]] = field(default_factory=list)
+    # The system whose engines this one's gateway serves from (`shared_fifo`); None: its own.
+    engines_of: str | None = None
 
 
 @dataclass(slots=True)
@@ -257,6 +270,16 @@ def pdserve_spec(cfg: CompareConfig, port: int, system: str = "pdserve") -> Serv
                       cwd=root)
 
 
+def shared_fifo_spec(cfg: CompareConfig, port: int, pdserve_address: str) -> ServerSpec:
+    """pdserve-fifo as a gateway with fifo's flags over the workers of the pdserve stack
+    at ``pdserve_address`` (`shared_fifo`); SharedFifoError if it has none ready."""
+    prefill, decode = shared_fifo.worker_addresses(pdserve_address)
+    argv = shared_fifo.gateway_argv(port, str(Path(cfg.model).resolve()), prefill, decode,
+                                    PDSERVE_FLAGS[shared_fifo.SYSTEM])
+    return shared_fifo.gateway_spec(argv, port, {**source_root_env(), **idle_env(cfg)},
+                                    cfg.boot_timeout_s)
+
+
 def vllm_dtype() -> str:
     """The dtype pdserve's workers resolve by default (pdserve.engine.resolve_dtype): both
     systems compute in the same one."""
@@ -281,7 +304,9 @@ def bench_config_for(cfg: CompareConfig, system: str, address: str) -> BenchConf
     if system == "vllm":
         return dataclasses.replace(cfg.bench, backend="openai", base_url=address,
                                    model_name=None)
-    return dataclasses.replace(cfg.bench, backend="grpc", target=address)
+    salt = shared_fifo.CONTENT_SALT if (system == shared_fifo.SYSTEM
+                                        and cfg.fifo_shares_engines()) else 0
+    return dataclasses.replace(cfg.bench, backend="grpc", target=address, content_salt=salt)
 
 
 # ---------------------------------------------------------------- measuring --------------
@@ -296,10 +321,11 @@ def describe_routes(records: list[RequestRecord]) -> str:
     return ", prefill " + " / ".join(f"{where} {counts[where]}" for where in sorted(counts))
 
 
-def rate_content_seed(seed: int, rate_rps: float) -> int:
+def rate_content_seed(seed: int, rate_rps: float, salt: int = 0) -> int:
     """Prompt token ids per (seed, rate): every system gets the same prompts at a rate,
-    and no rate sees another's in the prefix cache."""
-    return seed * 1_000_000_007 + round(rate_rps * 1e6)
+    and no rate sees another's in the prefix cache; a system with another ``salt`` gets
+    other ids (two systems on one set of engines, `shared_fifo`)."""
+    return seed * 1_000_000_007 + round(rate_rps * 1e6) + salt * 10**15
 
 
 async def unloaded_run(backend, bench: BenchConfig, num_per_class: int) -> list[RequestRecord]:
@@ -325,7 +351,8 @@ async def measure(backend, bench: BenchConfig, system: str, rate: float,
                   num_requests: int) -> RunResult:
     load = LoadConfig(rate_rps=rate, burstiness=bench.burstiness,
                       num_requests=num_requests, seed=bench.seed)
-    run = await run_load(backend, bench, load, f"{rate:g}-", rate_content_seed(bench.seed, rate))
+    run = await run_load(backend, bench, load, f"{rate:g}-",
+                         rate_content_seed(bench.seed, rate, bench.content_salt))
     s = run.summary
     ttft = "-" if s.ttft_s is None else f"{s.ttft_s.p50:.2f}"
     tpot = "-" if s.tpot_s is None else f"{s.tpot_s.p50 * 1000:.0f}"

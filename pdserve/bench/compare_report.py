@@ -257,7 +257,7 @@ def policy_dict(fifo: SystemResult, slo: SystemResult, unloaded_ttft_p50_s: floa
 def system_dict(system: SystemResult) -> dict:
     return {
         "command": system.command, "env": system.env, "boot_s": system.boot_s,
-        "error": system.error,
+        "engines_of": system.engines_of, "error": system.error,
         "goodput": None if system.search is None else goodput_dict(system.search),
         "stopped_by_budget": system.stopped_by_budget,
         "skipped_rates": system.skipped_rates,

@@ -12,6 +12,11 @@ on by the time the others take). pdserve measures pdserve-fifo's policy rate on 
 turn after fifo's miss, and its search reuses that measurement if it asks for the same rate.
 The CPU the idle systems used during each measurement is kept with it
 (`SystemResult.others_idle_cores`: zero when frozen).
+
+pdserve-fifo is, by default (`--fifo-engines shared`), a second gateway over pdserve's
+workers (`pdserve.bench.shared_fifo`): it boots after pdserve, and pdserve's stack is not
+frozen for fifo's turns (`Lane.needs`); the idle cost reported for pdserve then is its
+gateway's alone.
 """
 
 from __future__ import annotations
@@ -23,14 +28,16 @@ import time
 from dataclasses import dataclass
 
 from pdserve.bench.calibration import CalibrationError
+from pdserve.bench import shared_fifo
 from pdserve.bench.compare import (Budget, CompareConfig, CompareResult, SystemResult,
                                    bench_config_for, calibrate_on, describe_outcome,
                                    extra_rates, log, measure, pdserve_spec, run_sequential,
-                                   vllm_spec)
+                                   shared_fifo_spec, vllm_spec)
 from pdserve.bench.presets import class_weights
 from pdserve.bench.runner import BenchConfig, RunResult, make_backend, warm_up
 from pdserve.bench.search import RateSearch, loans_for
-from pdserve.bench.servers import ServerError, ServerProcess, free_port, tree_cpu_s
+from pdserve.bench.servers import ServerError, ServerProcess, ServerSpec, free_port, tree_cpu_s
+from pdserve.bench.shared_fifo import SharedFifoError
 
 # After a frozen system is thawed, time for its timers to run (pdserve's gateway re-reads
 # its workers' heartbeats, every second) before its readiness is checked and it is measured.
@@ -43,7 +50,7 @@ IDLE_CORES_WARNING = 0.05
 
 def engines(system: str) -> int:
     """Engines a system runs: vLLM one; each pdserve (the compare starts it with one worker
-    per tier) two."""
+    per tier) two. A pdserve-fifo on pdserve's engines runs none (not counted at all)."""
     return 1 if system == "vllm" else 2
 
 
@@ -101,6 +108,12 @@ class Lane:
     done: bool = False
     freezable: bool = False  # stopped while another system measures (`--idle-systems freeze`)
     frozen: bool = False
+    # The lanes whose servers this one's gateway needs running (`shared_fifo`: fifo needs
+    # pdserve's stack); they are thawed for its turns, not frozen.
+    needs: tuple[str, ...] = ()
+    # While a lane that needs this one measures, the process whose CPU is this one's idle
+    # cost (pdserve's gateway, its workers doing the other's work); None: not measured.
+    idle_pid_when_lent: int | None = None
 
     @property
     def pid(self) -> int | None:
@@ -109,6 +122,10 @@ class Lane:
     @property
     def name(self) -> str:
         return self.result.name
+
+    def idle_pid(self, measuring: Lane) -> int | None:
+        """The process tree whose CPU is this lane's idle cost while ``measuring`` measures."""
+        return self.idle_pid_when_lent if self.name in measuring.needs else self.pid
 
     def measured(self) -> dict[float, RunResult]:
         return {r.load.rate_rps: r for r in self.result.runs}
@@ -126,15 +143,23 @@ def run_interleaved(cfg: CompareConfig) -> CompareResult:
     deadline = started + cfg.plan.budget_s
     booted: dict[str, tuple[str, ServerProcess | None]] = {}  # system -> (address, server)
     order = cfg.run_order()
+    shared = cfg.fifo_shares_engines()
     with contextlib.ExitStack() as servers:
-        for k, system in enumerate(order):
+        for k, system in enumerate(boot_order(order, shared)):
             result = out.systems[system] = SystemResult(system)
             existing = cfg.given_address(system)
             if existing is not None:
                 booted[system] = (existing, None)
                 continue
             port = free_port()
-            spec = vllm_spec(cfg, port) if system == "vllm" else pdserve_spec(cfg, port, system)
+            try:
+                spec = system_spec(cfg, port, system, booted if shared else None)
+            except SharedFifoError as e:
+                result.error = str(e)
+                log(f"{system} failed: {e}")
+                continue
+            if shared and system == shared_fifo.SYSTEM:
+                result.engines_of = shared_fifo.HOST
             result.command, result.env = spec.argv, spec.env
             log(f"starting {system}: {' '.join(spec.argv)}")
             available = mem_available_bytes()
@@ -150,21 +175,49 @@ def run_interleaved(cfg: CompareConfig) -> CompareResult:
             booted[system] = (address, server)
             if len(booted) > 1:
                 continue
-            rest = [s for s in order[k + 1:] if cfg.given_address(s) is None]
+            rest = [s for s in boot_order(order, shared)[k + 1:]
+                    if cfg.given_address(s) is None and not (shared and s == shared_fifo.SYSTEM)]
             reason = no_room_reason(system, available, mem_available_bytes(), rest)
             if reason is not None:
                 servers.close()
                 log(f"{reason}: measuring one system at a time instead (--sequential)")
                 left_s = cfg.plan.budget_s - (time.monotonic() - started)
                 fallback = run_sequential(dataclasses.replace(
-                    cfg, plan=dataclasses.replace(cfg.plan, budget_s=left_s)))
+                    cfg, sequential=True, plan=dataclasses.replace(cfg.plan, budget_s=left_s)))
                 fallback.mode_reason = reason
                 fallback.elapsed_s = time.monotonic() - started
                 return fallback
+        out.systems = {s: out.systems[s] for s in order}
+        booted = {s: booted[s] for s in order if s in booted}
         if booted:
             asyncio.run(measure_interleaved(cfg, booted, out, deadline))
     out.elapsed_s = time.monotonic() - started
     return out
+
+
+def boot_order(order: tuple[str, ...], shared: bool) -> list[str]:
+    """The systems in the order they boot: ``order``, but with a shared pdserve-fifo after
+    the pdserve whose workers it serves from."""
+    if not shared:
+        return list(order)
+    rest = [s for s in order if s != shared_fifo.SYSTEM]
+    at = rest.index(shared_fifo.HOST) + 1
+    return [*rest[:at], shared_fifo.SYSTEM, *rest[at:]]
+
+
+def system_spec(cfg: CompareConfig, port: int, system: str,
+                shared_with: dict[str, tuple[str, ServerProcess | None]] | None) -> ServerSpec:
+    """How ``system`` is started; with ``shared_with`` (the systems booted so far), a
+    pdserve-fifo is a gateway over the booted pdserve's workers (SharedFifoError if
+    pdserve did not boot or has none ready)."""
+    if system == "vllm":
+        return vllm_spec(cfg, port)
+    if shared_with is not None and system == shared_fifo.SYSTEM:
+        if shared_fifo.HOST not in shared_with:
+            raise SharedFifoError(f"{shared_fifo.HOST} did not boot: {system}'s gateway "
+                                  f"serves from its workers")
+        return shared_fifo_spec(cfg, port, shared_with[shared_fifo.HOST][0])
+    return pdserve_spec(cfg, port, system)
 
 
 async def measure_interleaved(cfg: CompareConfig,
@@ -186,6 +239,7 @@ async def measure_interleaved(cfg: CompareConfig,
             lanes.append(lane)
         if not lanes:
             return
+        lend_engines(lanes, out)
         first = lanes[0]
         await take_the_machine(first, lanes)
         try:
@@ -205,6 +259,19 @@ async def measure_interleaved(cfg: CompareConfig,
             lane.budget = Budget(time.monotonic() + share_s, cfg.bench.num_requests or 0,
                                  out.calibration.mean_e2e_s(weights), cfg.min_duration_s)
         await alternate(lanes, out)
+
+
+def lend_engines(lanes: list[Lane], out: CompareResult) -> None:
+    """Marks the lanes whose gateway serves from another's workers (`SystemResult.engines_of`)
+    as needing that lane running, and finds the gateway of the lane that lends them."""
+    by_name = {lane.name: lane for lane in lanes}
+    for lane in lanes:
+        host = by_name.get(out.systems[lane.name].engines_of or "")
+        if host is None:
+            continue
+        lane.needs = (host.name,)
+        if host.pid is not None:
+            host.idle_pid_when_lent = shared_fifo.gateway_pid(host.pid)
 
 
 async def alternate(lanes: list[Lane], out: CompareResult) -> None:
@@ -276,16 +343,17 @@ async def take_turn(lane: Lane, lanes: list[Lane], out: CompareResult) -> bool:
         lane.result.stopped_by_budget = True
         lane.done = True
         return False
-    others = [x for x in lanes if x is not lane and x.pid is not None]
+    others = {x.name: pid for x in lanes
+              if x is not lane and (pid := x.idle_pid(lane)) is not None}
     started = time.monotonic()
     await take_the_machine(lane, lanes)
-    cpu_before = {x.name: tree_cpu_s(x.pid) for x in others}
+    cpu_before = {name: tree_cpu_s(pid) for name, pid in others.items()}
     measuring = time.monotonic()
     run = await measure(lane.backend, lane.bench, lane.name, rate, lane.budget.requests(rate))
     ended = time.monotonic()
     took = ended - started  # the thaw's too: this system's time, not the others'
-    idle = {x.name: round((tree_cpu_s(x.pid) - cpu_before[x.name]) / (ended - measuring), 4)
-            for x in others}
+    idle = {name: round((tree_cpu_s(pid) - cpu_before[name]) / (ended - measuring), 4)
+            for name, pid in others.items()}
     for name, cores in idle.items():
         if cores > IDLE_CORES_WARNING:
             log(f"warning: {name} used {cores:.2f} cores while idle during {lane.name}'s "
@@ -302,16 +370,19 @@ async def take_turn(lane: Lane, lanes: list[Lane], out: CompareResult) -> bool:
 
 
 async def take_the_machine(lane: Lane, lanes: list[Lane]) -> None:
-    """Freezes every other freezable system and thaws ``lane`` if it was frozen, waiting
-    until it answers its readiness check again (`ServerProcess.thaw`)."""
+    """Freezes every other freezable system that ``lane`` does not need, and thaws those it
+    needs and then ``lane`` if they were frozen, waiting until each answers its readiness
+    check again (`ServerProcess.thaw`)."""
     for other in lanes:
-        if other is not lane and other.freezable and not other.frozen:
+        if (other is not lane and other.name not in lane.needs and other.freezable
+                and not other.frozen):
             assert other.server is not None
             other.server.freeze()
             other.frozen = True
-    if lane.frozen:
-        assert lane.server is not None
-        thawed = time.monotonic()
-        await asyncio.to_thread(lane.server.thaw, THAW_SETTLE_S)
-        lane.frozen = False
-        log(f"{lane.name} thawed, ready in {time.monotonic() - thawed:.1f} s")
+    for x in [*(other for other in lanes if other.name in lane.needs), lane]:
+        if x.frozen:
+            assert x.server is not None
+            thawed = time.monotonic()
+            await asyncio.to_thread(x.server.thaw, THAW_SETTLE_S)
+            x.frozen = False
+            log(f"{x.name} thawed, ready in {time.monotonic() - thawed:.1f} s")

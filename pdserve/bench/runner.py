@@ -48,6 +48,9 @@ class BenchConfig:
     duration_s: float | None = None
     warmup: int = 2
     seed: int = 0
+    # Added to the prompts' content seed (`compare.rate_content_seed`): other token ids,
+    # the same lengths and arrival times.
+    content_salt: int = 0
     # One SLO for all, or one per class (SLOTable); the gRPC backend sends each request's.
     slo: Objective = field(default_factory=SLO)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)

@@ -236,7 +236,7 @@ def test_interleaved_compare_falls_back_to_one_system_at_a_time_when_the_rest_wo
             monkeypatch.setattr(module, "free_port", lambda: port)
             monkeypatch.setattr(module, "pdserve_spec", fake_spec)
         cfg = dataclasses.replace(fake_compare_config(tmp_path, target, ("pdserve-fifo", "pdserve")),
-                                  pdserve_target=None)
+                                  pdserve_target=None, fifo_engines="own")
         return interleave.run_interleaved(cfg), events, cfg
 
     result, events, _ = measure_with(3)
@@ -257,3 +257,97 @@ def test_interleaved_compare_falls_back_to_one_system_at_a_time_when_the_rest_wo
                       ("start", "pdserve"), ("stop", "pdserve")]
     assert all(s.error is None and s.runs for s in result.systems.values())
     assert compare_report.compare_dict(cfg, result)["config"]["mode_reason"] == result.mode_reason
+
+
+def test_a_shared_fifo_boots_after_pdserve_on_its_workers_and_never_freezes_them(
+        tmp_path, fake_pdserve, monkeypatch):
+    """`--fifo-engines shared`: pdserve boots first, fifo's gateway is started over the
+    workers of pdserve's stack (its address), and the memory check counts no engines for
+    it: pdserve took 5 GiB of 10, which left no room for a second stack (6.25 GiB with
+    headroom, the test above) but is no obstacle here. pdserve is never frozen, as fifo's
+    turns need its workers; fifo is frozen for pdserve's turns and thawed for its own. Its
+    prompts get another content salt; the JSON says whose engines it ran on."""
+    import contextlib
+    from types import SimpleNamespace
+
+    from pdserve.bench import compare, compare_report, interleave, shared_fifo
+    from pdserve.bench.servers import ServerSpec
+
+    target, _ = fake_pdserve
+    port = int(target.rsplit(":", 1)[1])
+    GiB = 2**30
+    readings = iter([10 * GiB, 5 * GiB] + [5 * GiB] * 20)
+    events, lent_from = [], []
+
+    @contextlib.contextmanager
+    def fake_server(spec, log_path):
+        events.append(("start", spec.name))
+        yield SimpleNamespace(boot_s=0.0, pid=None,
+                              freeze=lambda: events.append(("freeze", spec.name)),
+                              thaw=lambda settle_s: events.append(("thaw", spec.name)))
+        events.append(("stop", spec.name))
+
+    def fake_fifo_spec(cfg, port, pdserve_address):
+        lent_from.append(pdserve_address)
+        return ServerSpec(shared_fifo.SYSTEM, ["true"], ready_pattern="READY")
+
+    monkeypatch.setattr(interleave, "mem_available_bytes", lambda: next(readings))
+    monkeypatch.setattr(interleave, "ServerProcess", fake_server)
+    monkeypatch.setattr(interleave, "free_port", lambda: port)
+    monkeypatch.setattr(interleave, "pdserve_spec",
+                        lambda cfg, port, system="pdserve": ServerSpec(system, ["true"],
+                                                                       ready_pattern="ready"))
+    monkeypatch.setattr(interleave, "shared_fifo_spec", fake_fifo_spec)
+    cfg = dataclasses.replace(fake_compare_config(tmp_path, target, ("pdserve-fifo", "pdserve")),
+                              pdserve_target=None)
+    assert cfg.fifo_shares_engines()
+    result = interleave.run_interleaved(cfg)
+
+    assert result.mode == "interleaved" and result.mode_reason is None
+    assert lent_from == [target]
+    assert events == [("start", "pdserve"), ("start", "pdserve-fifo"),
+                      ("freeze", "pdserve-fifo"), ("thaw", "pdserve-fifo"),
+                      ("stop", "pdserve-fifo"), ("stop", "pdserve")]
+    assert list(result.systems) == ["pdserve-fifo", "pdserve"]  # measured in the run order
+    assert [name for name, _ in result.measured_in_order][:2] == ["pdserve-fifo", "pdserve"]
+    doc = compare_report.compare_dict(cfg, result)
+    assert doc["pdserve-fifo"]["engines_of"] == "pdserve" and doc["pdserve"]["engines_of"] is None
+    fifo_bench = compare.bench_config_for(cfg, "pdserve-fifo", target)
+    assert fifo_bench.content_salt == shared_fifo.CONTENT_SALT
+    assert compare.bench_config_for(cfg, "pdserve", target).content_salt == 0
+    own = dataclasses.replace(cfg, fifo_engines="own")
+    assert not own.fifo_shares_engines()
+    assert compare.bench_config_for(own, "pdserve-fifo", target).content_salt == 0
+    assert not dataclasses.replace(cfg, sequential=True).fifo_shares_engines()
+
+
+def test_a_content_salt_changes_the_prompts_token_ids_not_their_lengths():
+    """fifo on pdserve's engines must not find pdserve's prompts of the same rate in the
+    prefix cache: a salt gives other ids, the same lengths and classes."""
+    from pdserve.bench.compare import rate_content_seed
+    from pdserve.bench.presets import preset_workload
+    from pdserve.bench.workload import build_workload, take
+
+    workload = preset_workload("mixed")
+    plain = take(build_workload(workload, 0, content_seed=rate_content_seed(0, 0.5)), 20)
+    salted = take(build_workload(workload, 0, content_seed=rate_content_seed(0, 0.5, 1)), 20)
+    assert [len(r.prompt_token_ids) for r in plain] == [len(r.prompt_token_ids) for r in salted]
+    assert [(r.output_len, r.class_name) for r in plain] == [(r.output_len, r.class_name)
+                                                              for r in salted]
+    assert all(a.prompt_token_ids != b.prompt_token_ids for a, b in zip(plain, salted))
+    assert rate_content_seed(0, 0.5, 0) == rate_content_seed(0, 0.5)
+
+
+def test_shared_fifo_gateway_argv_and_the_up_gateway_it_finds():
+    from pdserve.bench import compare, shared_fifo
+
+    argv = shared_fifo.gateway_argv(7000, "/m", ["127.0.0.1:1"], ["127.0.0.1:2", "127.0.0.1:3"],
+                                    compare.PDSERVE_FLAGS["pdserve-fifo"])
+    assert argv[1:] == ["-m", "pdserve.cli", "gateway", "--host", "127.0.0.1", "--port", "7000",
+                        "--model", "/m", "--prefill", "127.0.0.1:1", "--decode", "127.0.0.1:2",
+                        "--decode", "127.0.0.1:3", "--policy", "fifo",
+                        "--local-prefill-max-tokens", "0"]
+    assert shared_fifo.is_gateway_cmdline(["python", "-m", "pdserve.cli", "gateway", "--port", "1"])
+    assert not shared_fifo.is_gateway_cmdline(["python", "-m", "pdserve.cli", "decode",
+                                               "--gateway", "127.0.0.1:1"])
+    assert not shared_fifo.is_gateway_cmdline(["python", "-m", "pdserve.cli"])

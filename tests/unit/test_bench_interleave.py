@@ -199,15 +199,28 @@ def test_fits_in_memory_counts_engines_by_what_the_first_system_took():
     assert fits_in_memory("pdserve", 6 * GiB, ["vllm"], 4 * GiB) == (True, round(3.75 * GiB))
 
 
+def recording_server(events: list):
+    """A ServerProcess stand-in that appends ("start" | "freeze" | "thaw" | "stop", name)."""
+    import contextlib
+    from types import SimpleNamespace
+
+    @contextlib.contextmanager
+    def fake_server(spec, log_path):
+        events.append(("start", spec.name))
+        yield SimpleNamespace(boot_s=0.0, pid=None,
+                              freeze=lambda: events.append(("freeze", spec.name)),
+                              thaw=lambda settle_s: events.append(("thaw", spec.name)))
+        events.append(("stop", spec.name))
+
+    return fake_server
+
+
 def test_interleaved_compare_falls_back_to_one_system_at_a_time_when_the_rest_would_not_fit(
         tmp_path, fake_pdserve, monkeypatch):
     """The first system booted took 3 GiB of 10 for its two engines: the second needs 3.75
     GiB with headroom and 7 is available, so both boot. With 5 GiB taken, 5 left, the second
     would need 6.25: the first is stopped and both run one after the other, the JSON saying
     why."""
-    import contextlib
-    from types import SimpleNamespace
-
     from pdserve.bench import compare, compare_report, interleave
 
     target, _ = fake_pdserve
@@ -217,14 +230,7 @@ def test_interleaved_compare_falls_back_to_one_system_at_a_time_when_the_rest_wo
     def measure_with(taken_gib: float):
         readings = iter([10 * GiB, round((10 - taken_gib) * GiB)] + [5 * GiB] * 20)
         events = []
-
-        @contextlib.contextmanager
-        def fake_server(spec, log_path):
-            events.append(("start", spec.name))
-            yield SimpleNamespace(boot_s=0.0, pid=None,
-                                  freeze=lambda: events.append(("freeze", spec.name)),
-                                  thaw=lambda settle_s: events.append(("thaw", spec.name)))
-            events.append(("stop", spec.name))
+        fake_server = recording_server(events)
 
         def fake_spec(cfg, port, system="pdserve"):
             from pdserve.bench.servers import ServerSpec
@@ -267,9 +273,6 @@ def test_a_shared_fifo_boots_after_pdserve_on_its_workers_and_never_freezes_them
     headroom, the test above) but is no obstacle here. pdserve is never frozen, as fifo's
     turns need its workers; fifo is frozen for pdserve's turns and thawed for its own. Its
     prompts get another content salt; the JSON says whose engines it ran on."""
-    import contextlib
-    from types import SimpleNamespace
-
     from pdserve.bench import compare, compare_report, interleave, shared_fifo
     from pdserve.bench.servers import ServerSpec
 
@@ -278,14 +281,7 @@ def test_a_shared_fifo_boots_after_pdserve_on_its_workers_and_never_freezes_them
     GiB = 2**30
     readings = iter([10 * GiB, 5 * GiB] + [5 * GiB] * 20)
     events, lent_from = [], []
-
-    @contextlib.contextmanager
-    def fake_server(spec, log_path):
-        events.append(("start", spec.name))
-        yield SimpleNamespace(boot_s=0.0, pid=None,
-                              freeze=lambda: events.append(("freeze", spec.name)),
-                              thaw=lambda settle_s: events.append(("thaw", spec.name)))
-        events.append(("stop", spec.name))
+    fake_server = recording_server(events)
 
     def fake_fifo_spec(cfg, port, pdserve_address):
         lent_from.append(pdserve_address)

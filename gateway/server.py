@@ -391,9 +391,10 @@ async def _poll_workers(workers: WorkerPool, dispatcher: Dispatcher, serving: Se
             if late_s > PAUSE_EXCUSED_AFTER_S:
                 # The loop itself did not run (the process was stopped or starved): the
                 # heartbeats of that time were not read, and the workers are not to blame.
-                logger.warning("gateway did not run for %.1f s; its registered workers' heartbeat "
-                               "silence is counted without it", late_s)
-                workers.excuse_pause(late_s, time.monotonic())
+                excused = workers.excuse_pause(late_s, time.monotonic())
+                logger.warning("gateway did not run for %.1f s%s", late_s,
+                               f"; that time is not counted as heartbeat silence of its {excused} "
+                               f"registered worker(s)" if excused else "")
             await workers.poll_once()
             workers.expire_heartbeats(time.monotonic(), cfg.heartbeat_timeout_s)
             dispatcher.pump()  # a worker that came back may take queued work

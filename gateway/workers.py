@@ -290,13 +290,17 @@ class WorkerPool:
                 self.deregister(worker.worker_id)
         return lost
 
-    def excuse_pause(self, paused_s: float, now_s: float) -> None:
+    def excuse_pause(self, paused_s: float, now_s: float) -> int:
         """This gateway did not run for ``paused_s`` up to ``now_s`` (stopped, starved,
         a VM paused): heartbeats that came meanwhile were not read, so that time is not
-        counted as the registered workers' silence."""
+        counted as the registered workers' silence. Returns how many workers it excused
+        (static workers have no heartbeats: none with only those)."""
+        excused = 0
         for worker in self.workers:
             if worker.source == "registered" and worker.last_heartbeat_s is not None:
                 worker.last_heartbeat_s = min(now_s, worker.last_heartbeat_s + paused_s)
+                excused += 1
+        return excused
 
     def tier(self, role: str) -> list[Worker]:
         return [w for w in self.workers if w.role == role]

@@ -84,15 +84,15 @@ def test_a_pause_of_the_gateway_is_not_counted_as_the_workers_silence():
         pool.heartbeat("d2", worker_pb2.WorkerLoad(), False, now_s=1.0)
         # The gateway stopped from 1.5 to 301.5; d2's heartbeat was read as it resumed.
         pool.heartbeat("d2", worker_pb2.WorkerLoad(), False, now_s=301.6)
-        pool.excuse_pause(300.0, now_s=301.7)
+        excused = pool.excuse_pause(300.0, now_s=301.7)
         kept = [w.worker_id for w in pool.expire_heartbeats(303.9, timeout_s=3.0)]
         times = [w.last_heartbeat_s for w in pool.workers]
         lost = [w.worker_id for w in pool.expire_heartbeats(304.1, timeout_s=3.0)]
-        return kept, times, lost
+        return excused, kept, times, lost
 
     # d1 last spoke 0.5 s before the pause: silent 2.9 s at 303.9 and 3.1 s at 304.1 once
     # the pause is excused (without it, 302.9 s: out of rotation and forgotten at once).
-    assert run(scenario) == ([], [301.0, 301.7], ["d1"])
+    assert run(scenario) == (2, [], [301.0, 301.7], ["d1"])
 
 
 def test_drain_takes_a_worker_out_of_rotation_and_tells_it_in_the_next_heartbeat():
@@ -360,3 +360,16 @@ def test_no_prefill_worker_at_a_stacks_start_or_after_a_drain_is_info_and_losing
                     ("INFO", "no prefill worker in rotation (the tier drained)"),
                     ("INFO", "a prefill worker is in rotation"),
                     ("WARNING", "no prefill worker in rotation")]
+
+
+def test_a_pause_excuses_no_static_worker():
+    """Static workers are polled, not heard from: a paused gateway with only those has no
+    heartbeat silence to excuse (its log then names none)."""
+    async def scenario():
+        pool = WorkerPool.connect(("127.0.0.1:1",), ("127.0.0.1:2",))
+        try:
+            return pool.excuse_pause(30.0, now_s=31.0), [w.source for w in pool.workers]
+        finally:
+            await pool.close()
+
+    assert asyncio.run(scenario()) == (0, ["static", "static"])

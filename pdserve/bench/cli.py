@@ -229,8 +229,10 @@ def _add_compare_args(p: argparse.ArgumentParser) -> None:
                         "flags over pdserve's workers (three engines with vLLM's, so the mixed "
                         "compare fits in memory and is measured in turns); own: a `pdserve up` "
                         "of its own")
-    g.add_argument("--log-dir", type=Path, default=Path("bench-logs"),
-                   help="server output goes to LOG_DIR/<system>.log")
+    g.add_argument("--log-dir", type=Path,
+                   help="server output goes to LOG_DIR/<system>.log (default: a directory per "
+                        "compare, bench-logs/compare-<workload>-<UTC time>, with "
+                        "bench-logs/latest pointing at it, so a run keeps its logs)")
 
 
 def _add_search_args(p: argparse.ArgumentParser) -> None:
@@ -309,6 +311,28 @@ def bench_config(args: argparse.Namespace) -> BenchConfig:
         gateway_metrics=getattr(args, "gateway_metrics", None))
 
 
+def run_log_dir(root: Path, workload_name: str, now: float | None = None) -> Path:
+    """A compare's own log directory under ``root``: bench-logs/<system>.log was overwritten
+    by the next compare, so the logs of a run worth a second look were gone."""
+    import time
+
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(time.time() if now is None else now))
+    return root / f"compare-{workload_name}-{stamp}"
+
+
+def link_latest(log_dir: Path) -> None:
+    """Points ``log_dir``'s parent/latest at it (best effort: a link is a convenience)."""
+    latest = log_dir.parent / "latest"
+    try:
+        log_dir.mkdir(parents=True, exist_ok=True)
+        if latest.is_symlink():
+            latest.unlink()
+        if not latest.exists():
+            latest.symlink_to(log_dir.name)
+    except OSError:
+        pass
+
+
 def compare_config(args: argparse.Namespace, model: Path) -> CompareConfig:
     from pdserve.bench.compare import CompareConfig, SearchPlan, default_systems
     from pdserve.bench.variants import Variant
@@ -321,7 +345,8 @@ def compare_config(args: argparse.Namespace, model: Path) -> CompareConfig:
                       args.max_up_steps, args.budget_min * 60, args.calibration_requests)
     return CompareConfig(
         bench=bench_config(args), model=model, workload_name=workload_name, systems=systems,
-        plan=plan, log_dir=args.log_dir, vllm_cpus=args.vllm_cpus,
+        plan=plan, log_dir=args.log_dir or run_log_dir(Path("bench-logs"), workload_name),
+        vllm_cpus=args.vllm_cpus,
         vllm_kv_cache_gib=args.vllm_kv_cache_gib, pdserve_target=args.pdserve_target,
         vllm_url=args.vllm_url, boot_timeout_s=args.boot_timeout_s,
         sequential=args.sequential, freeze_idle=args.idle_systems == "freeze",
@@ -380,6 +405,9 @@ def cmd_compare(args: argparse.Namespace) -> int:
         print(f"pdserve bench compare: {e}", file=sys.stderr)
         return 2
     stop_on_sigterm()
+    if args.log_dir is None:
+        link_latest(cfg.log_dir)
+    print(f"[bench] server logs in {cfg.log_dir}/", file=sys.stderr)
     try:
         result = (compare.run_sequential if cfg.sequential else interleave.run_interleaved)(cfg)
     except KeyboardInterrupt:

@@ -254,6 +254,19 @@ def test_cli_compare_without_flags_is_the_short_preset(tmp_path):
     assert cfg.min_duration_s == DEFAULT_MIN_DURATION_S == 60.0
 
 
+def test_each_compare_keeps_its_server_logs_in_a_directory_of_its_own(tmp_path):
+    """bench-logs/<system>.log was overwritten by the next compare."""
+    cfg = cli.compare_config(parse(["bench", "compare", "--workload", "long"]), tmp_path)
+    assert cfg.log_dir.parent == Path("bench-logs") and cfg.log_dir.name.startswith("compare-long-")
+    assert cli.run_log_dir(tmp_path, "mixed", now=0.0) == tmp_path / "compare-mixed-19700101T000000Z"
+    first, second = (cli.run_log_dir(tmp_path, "short", now=t) for t in (0.0, 61.0))
+    cli.link_latest(first)
+    cli.link_latest(second)  # the link moves to the newer run; the older keeps its directory
+    assert first.is_dir() and (tmp_path / "latest").resolve() == second.resolve()
+    given = cli.compare_config(parse(["bench", "compare", "--log-dir", str(tmp_path / "x")]), tmp_path)
+    assert given.log_dir == tmp_path / "x"
+
+
 def test_cli_compare_mixed_runs_three_systems_fifo_before_slo(tmp_path):
     cfg = cli.compare_config(parse(["bench", "compare", "--workload", "mixed"]), tmp_path)
     assert cfg.run_order() == ("vllm", "pdserve-fifo", "pdserve")

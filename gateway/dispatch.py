@@ -450,7 +450,7 @@ class Dispatcher:
             worker.local_meter.cancel(now)
         elif finished and seat.first_token_s is not None and seat.predicted_step_s and seat.num_generated > 1:
             tpot_s = (now - seat.first_token_s) / (seat.num_generated - 1)
-            worker.tpot_ratio.observe(tpot_s, seat.predicted_step_s, now)
+            worker.tpot_ratio.observe(tpot_s, seat.predicted_step_s, now, seat.tpot_slo_s)
             if seat.forecast_tpot_s:
                 metrics.TPOT_FORECAST_RATIO.observe(tpot_s / seat.forecast_tpot_s)
         worker.seats.discard(seat)

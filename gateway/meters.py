@@ -385,13 +385,25 @@ class RatioMeter:
     window: int = 16
     min_samples: int = 3
     max_age_s: float = 60.0
-    _samples: deque[tuple[float, float]] = field(default_factory=deque)  # ratio, when
+    # ratio, when, and whether it missed its TPOT objective (None: it had none)
+    _samples: deque[tuple[float, float, bool | None]] = field(default_factory=deque)
 
-    def observe(self, measured: float, predicted: float, now_s: float) -> None:
+    def observe(self, measured: float, predicted: float, now_s: float,
+                objective: float | None = None) -> None:
+        """One finished request's TPOT ``measured`` against the step estimate it joined on,
+        and against its own TPOT ``objective`` where it had one (`miss_share`)."""
         if measured > 0 and predicted > 0:
-            self._samples.append((measured / predicted, now_s))
+            missed = None if objective is None else measured > objective
+            self._samples.append((measured / predicted, now_s, missed))
             if len(self._samples) > self.window:
                 self._samples.popleft()
+
+    def miss_share(self, now_s: float) -> float | None:
+        """The share of the recent requests with a TPOT objective that missed it; None with
+        fewer than ``min_samples`` of them."""
+        judged = [missed for _, when, missed in self._samples
+                  if missed is not None and now_s - when <= self.max_age_s]
+        return sum(judged) / len(judged) if len(judged) >= self.min_samples else None
 
     def ratio(self, now_s: float) -> float:
         recent = self._recent(now_s)
@@ -406,4 +418,4 @@ class RatioMeter:
         return recent[math.floor(q * (len(recent) - 1))]
 
     def _recent(self, now_s: float) -> list[float]:
-        return [r for r, when in self._samples if now_s - when <= self.max_age_s]
+        return [r for r, when, _ in self._samples if now_s - when <= self.max_age_s]

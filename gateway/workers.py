@@ -24,7 +24,7 @@ from dataclasses import dataclass, field, replace
 import grpc
 from grpc_health.v1 import health_pb2_grpc
 
-from gateway.admission import BEST_CASE_QUANTILE
+from gateway.admission import best_case_quantile
 from gateway.meters import JoinMeter, LatencyMeter, RatioMeter, ServiceMeter, StepMeter
 from gateway.decode_stream import DecodeStreams
 from gateway.placement import DecodeLoad, PrefillLoad, RunningRequest, decode_slack_s, join_slack_s
@@ -163,12 +163,13 @@ class Worker:
     def predict_join_tpot_s(self, max_tokens: int, now_s: float) -> tuple[float, float] | None:
         """The TPOT a request of ``max_tokens`` joining now should see (`join_step_s` scaled
         by the median of how far recent requests' own TPOT ran from their estimates), and
-        at best (scaled by the `BEST_CASE_QUANTILE` of those ratios instead)."""
+        at best (scaled by a low quantile of those ratios instead, higher while recent
+        requests miss their objectives: `admission.best_case_quantile`)."""
         step = self.join_step_s(max_tokens, now_s)
         if step is None:
             return None
-        return (step * self.tpot_ratio.ratio(now_s),
-                step * self.tpot_ratio.quantile(BEST_CASE_QUANTILE, now_s))
+        q = best_case_quantile(self.tpot_ratio.miss_share(now_s))
+        return (step * self.tpot_ratio.ratio(now_s), step * self.tpot_ratio.quantile(q, now_s))
 
     def join_slack_s(self, priority: int, max_tokens: int, now_s: float) -> float:
         """What a request of ``priority`` joining now leaves of the slack of the running

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from gateway.admission import (
+    best_case_quantile,
     MAX_RETRY_S,
     MIN_RETRY_S,
     Forecast,
@@ -292,6 +293,30 @@ def test_latency_meter_is_not_set_by_one_slow_prefill():
     m.observe(40, 0.21, 3.0)
     base, per_token = m.fit(3.0)
     assert base + 40 * per_token == pytest.approx(0.21)
+
+
+def test_the_best_case_quantile_rises_to_the_median_as_recent_requests_miss_tpot():
+    assert best_case_quantile(None) == 0.0  # too few judged: the luckiest
+    assert best_case_quantile(0.0) == 0.0
+    assert best_case_quantile(0.05) == 0.0  # one miss in 20: still the luckiest
+    assert best_case_quantile(0.10) == pytest.approx(0.25)
+    assert best_case_quantile(0.15) == pytest.approx(0.5)
+    assert best_case_quantile(0.60) == 0.5  # never past the median
+
+
+def test_ratio_meter_counts_recent_misses_among_requests_with_a_tpot_objective():
+    from gateway.meters import RatioMeter
+
+    m = RatioMeter(max_age_s=10.0)
+    m.observe(0.070, 0.060, 0.0, objective=0.065)  # missed
+    m.observe(0.050, 0.060, 0.0)  # no objective: not judged
+    m.observe(0.060, 0.060, 1.0, objective=0.065)
+    assert m.miss_share(1.0) is None  # two judged: too few
+    m.observe(0.064, 0.060, 2.0, objective=0.065)
+    m.observe(0.080, 0.060, 3.0, objective=0.065)  # missed
+    assert m.miss_share(3.0) == pytest.approx(2 / 4)
+    assert m.ratio(3.0) == pytest.approx(0.064 / 0.060)  # the median of all five, judged or not
+    assert m.miss_share(10.5) == pytest.approx(1 / 3)  # the first aged out
 
 
 def test_ratio_meter_is_the_median_of_recent_requests_measured_over_predicted():

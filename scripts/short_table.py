@@ -52,12 +52,18 @@ for name in SYSTEMS:
               f"{m['tpot_p50_s'] * 1000:.1f} / {m['tpot_p99_s'] * 1000:.1f} ms | "
               f"{m['output_tok_s']:.1f} | "
               f"{' / '.join(map(str, placed.values())) if any(placed.values()) else '-'} |")
-r = d["ratios"]
-print(f"\ngoodput: vllm {d['vllm']['goodput']['goodput_rps'] or d['vllm']['goodput']['status']}, "
-      f"pdserve {d['pdserve']['goodput']['goodput_rps'] or d['pdserve']['goodput']['status']}; "
-      f"ratio {r['goodput_rps']}; output tok/s ratio at {r['at_rate_rps']} req/s "
-      f"{r['output_tok_s']}")
-for name in SYSTEMS[2:]:
+if "ratios" in d:  # a compare without vLLM (an A/B of pdserves) has none
+    r = d["ratios"]
+    print(f"\ngoodput: vllm {d['vllm']['goodput']['goodput_rps'] or d['vllm']['goodput']['status']}, "
+          f"pdserve {d['pdserve']['goodput']['goodput_rps'] or d['pdserve']['goodput']['status']}; "
+          f"ratio {r['goodput_rps']}; output tok/s ratio at {r['at_rate_rps']} req/s "
+          f"{r['output_tok_s']}")
+else:
+    print("\n" + "; ".join(f"goodput: {n} {d[n]['goodput']['goodput_rps'] or d[n]['goodput']['status']}"
+                           for n in SYSTEMS))
+for name in (s for s in SYSTEMS if s not in ("vllm", "pdserve")):
+    if "ratios" not in d:
+        break
     ratios = d.get(f"ratios_{name}", {})
     print(f"goodput: {name} {d[name]['goodput']['goodput_rps'] or d[name]['goodput']['status']}; "
           f"ratio to vllm {ratios.get('goodput_rps')}")

@@ -203,25 +203,23 @@ def test_tpot_admission_assumes_no_luck_while_recent_requests_miss_their_objecti
     refused. With those five within a looser objective it is admitted again."""
     from gateway.meters import StepMeter
 
-    d, pool, clock = dispatcher()
-    d0 = pool.by_address("d0")
-    d0.step_meter = StepMeter(min_samples=1)
-    d0.step_meter.observe(1, 0.080, clock.now)
-    for measured in (0.064, 0.072, 0.080, 0.088, 0.100):
-        d0.tpot_ratio.observe(measured, 0.080, clock.now, objective=0.085)
-    new = Ticket("new", I, 40, 33, clock.now, tpot_slo_s=0.066)
+    def finished_against(objective: float):
+        d, pool, clock = dispatcher()
+        d0 = pool.by_address("d0")
+        d0.step_meter = StepMeter(min_samples=1)
+        d0.step_meter.observe(1, 0.080, clock.now)
+        for measured in (0.064, 0.072, 0.080, 0.088, 0.100):
+            d0.tpot_ratio.observe(measured, 0.080, clock.now, objective=objective)
+        return d, Ticket("new", I, 40, 33, clock.now, tpot_slo_s=0.066)
+
+    d, new = finished_against(0.085)
     forecast = d.forecast(new)
     assert forecast.tpot_s == pytest.approx(0.080)
     assert forecast.tpot_best_s == pytest.approx(0.080)
     with pytest.raises(Refused, match="predicted time per output token 80 ms exceeds"):
         d.admit(new)
 
-    d, pool, clock = dispatcher()
-    d0 = pool.by_address("d0")
-    d0.step_meter = StepMeter(min_samples=1)
-    d0.step_meter.observe(1, 0.080, clock.now)
-    for measured in (0.064, 0.072, 0.080, 0.088, 0.100):
-        d0.tpot_ratio.observe(measured, 0.080, clock.now, objective=0.105)
+    d, new = finished_against(0.105)
     assert d.forecast(new).tpot_best_s == pytest.approx(0.064)
     d.admit(new)
 

@@ -30,7 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from pdserve.bench.compare import pdserve_argv, source_root_env, vllm_dtype  # noqa: E402
+from pdserve.bench.systems import pdserve_argv, source_root_env, vllm_dtype  # noqa: E402
 from pdserve.bench.servers import ServerProcess, ServerSpec, descendants, free_port  # noqa: E402
 from pdserve.model import resolve_model  # noqa: E402
 

@@ -30,14 +30,14 @@ from dataclasses import dataclass
 from pdserve.bench.calibration import CalibrationError
 from pdserve.bench import shared_fifo
 from pdserve.bench.compare import (Budget, CompareConfig, CompareResult, SystemResult,
-                                   bench_config_for, calibrate_on, describe_outcome,
-                                   extra_rates, log, measure, pdserve_spec, run_sequential,
-                                   shared_fifo_spec, vllm_spec)
+                                   calibrate_on, describe_outcome, extra_rates, log, measure,
+                                   run_sequential)
 from pdserve.bench.presets import class_weights
 from pdserve.bench.runner import BenchConfig, RunResult, make_backend, warm_up
 from pdserve.bench.search import RateSearch, loans_for
 from pdserve.bench.servers import ServerError, ServerProcess, ServerSpec, free_port, tree_cpu_s
 from pdserve.bench.shared_fifo import SharedFifoError
+from pdserve.bench.systems import bench_config_for, pdserve_spec, shared_fifo_spec, vllm_spec
 
 # After a frozen system is thawed, time for its timers to run (pdserve's gateway re-reads
 # its workers' heartbeats, every second) before its readiness is checked and it is measured.

@@ -2,7 +2,7 @@
 of the pdserve stack the interleaved compare booted (`--fifo-engines shared`, the default).
 
 The two pdserves of the mixed compare differ only in their gateway's flags
-(`compare.PLAIN_FIFO_FLAGS`), yet each ran a stack of its own: with vLLM, five engines,
+(`systems.PLAIN_FIFO_FLAGS`), yet each ran a stack of its own: with vLLM, five engines,
 more than a 24 GiB machine holds, so the compare fell back to one system after the other,
 and the ratio of turns measured half an hour apart moved with the machine's speed (the
 twenty-fifth session's two mixed runs of one code: 1.21x and 0.75x, docs/benchmarks.md).

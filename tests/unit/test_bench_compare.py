@@ -286,7 +286,7 @@ def test_cli_compare_mixed_runs_three_systems_fifo_before_slo(tmp_path):
 
 
 def test_pdserve_whole_is_a_builtin_variant_run_after_pdserve_with_its_ratios(tmp_path):
-    from pdserve.bench.compare import pdserve_argv
+    from pdserve.bench.systems import pdserve_argv
 
     cfg = cli.compare_config(parse(["bench", "compare", "--workload", "long", "--systems",
                                     "pdserve-whole,vllm,pdserve"]), tmp_path)
@@ -318,7 +318,7 @@ def test_pdserve_whole_is_a_builtin_variant_run_after_pdserve_with_its_ratios(tm
 
 
 def test_variant_flags_and_source_run_after_the_others_from_their_checkout(tmp_path):
-    from pdserve.bench.compare import pdserve_spec
+    from pdserve.bench.systems import pdserve_spec
     from pdserve.bench.variants import Variant
 
     other = tmp_path / "other"

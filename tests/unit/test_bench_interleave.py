@@ -273,7 +273,7 @@ def test_a_shared_fifo_boots_after_pdserve_on_its_workers_and_never_freezes_them
     headroom, the test above) but is no obstacle here. pdserve is never frozen, as fifo's
     turns need its workers; fifo is frozen for pdserve's turns and thawed for its own. Its
     prompts get another content salt; the JSON says whose engines it ran on."""
-    from pdserve.bench import compare, compare_report, interleave, shared_fifo
+    from pdserve.bench import compare_report, interleave, shared_fifo, systems
     from pdserve.bench.servers import ServerSpec
 
     target, _ = fake_pdserve
@@ -308,12 +308,12 @@ def test_a_shared_fifo_boots_after_pdserve_on_its_workers_and_never_freezes_them
     assert [name for name, _ in result.measured_in_order][:2] == ["pdserve-fifo", "pdserve"]
     doc = compare_report.compare_dict(cfg, result)
     assert doc["pdserve-fifo"]["engines_of"] == "pdserve" and doc["pdserve"]["engines_of"] is None
-    fifo_bench = compare.bench_config_for(cfg, "pdserve-fifo", target)
+    fifo_bench = systems.bench_config_for(cfg, "pdserve-fifo", target)
     assert fifo_bench.content_salt == shared_fifo.CONTENT_SALT
-    assert compare.bench_config_for(cfg, "pdserve", target).content_salt == 0
+    assert systems.bench_config_for(cfg, "pdserve", target).content_salt == 0
     own = dataclasses.replace(cfg, fifo_engines="own")
     assert not own.fifo_shares_engines()
-    assert compare.bench_config_for(own, "pdserve-fifo", target).content_salt == 0
+    assert systems.bench_config_for(own, "pdserve-fifo", target).content_salt == 0
     assert not dataclasses.replace(cfg, sequential=True).fifo_shares_engines()
 
 
@@ -335,10 +335,10 @@ def test_a_content_salt_changes_the_prompts_token_ids_not_their_lengths():
 
 
 def test_shared_fifo_gateway_argv_and_the_up_gateway_it_finds():
-    from pdserve.bench import compare, shared_fifo
+    from pdserve.bench import shared_fifo, systems
 
     argv = shared_fifo.gateway_argv(7000, "/m", ["127.0.0.1:1"], ["127.0.0.1:2", "127.0.0.1:3"],
-                                    compare.PDSERVE_FLAGS["pdserve-fifo"])
+                                    systems.PDSERVE_FLAGS["pdserve-fifo"])
     assert argv[1:] == ["-m", "pdserve.cli", "gateway", "--host", "127.0.0.1", "--port", "7000",
                         "--model", "/m", "--prefill", "127.0.0.1:1", "--decode", "127.0.0.1:2",
                         "--decode", "127.0.0.1:3", "--policy", "fifo",

@@ -314,7 +314,7 @@ def test_server_that_exits_early_is_an_error_with_its_output(tmp_path):
 def test_pdserve_ready_line_is_the_launchers_not_a_relayed_one(tmp_path):
     import re
 
-    from pdserve.bench.compare import pdserve_spec
+    from pdserve.bench.systems import pdserve_spec
 
     spec = pdserve_spec(CompareConfig(bench=BenchConfig(rates_rps=[1.0]), model=tmp_path), 5005)
     pattern = re.compile(spec.ready_pattern)
@@ -327,7 +327,7 @@ def test_pdserve_ready_line_is_the_launchers_not_a_relayed_one(tmp_path):
 
 
 def test_both_systems_get_the_same_model_and_context_length(tmp_path):
-    from pdserve.bench.compare import pdserve_spec, vllm_spec
+    from pdserve.bench.systems import pdserve_spec, vllm_spec
     from pdserve.bench.workload import WorkloadConfig
 
     bench = BenchConfig(rates_rps=[1.0], workload=WorkloadConfig(max_model_len=2048))
@@ -346,7 +346,7 @@ def test_both_systems_get_the_same_model_and_context_length(tmp_path):
 def test_frozen_systems_get_the_same_execute_model_limit_past_a_turn(tmp_path):
     import dataclasses
 
-    from pdserve.bench.compare import pdserve_spec, vllm_spec
+    from pdserve.bench.systems import pdserve_spec, vllm_spec
 
     frozen = CompareConfig(bench=BenchConfig(rates_rps=[1.0]), model=tmp_path)
     assert frozen.freeze_idle
@@ -359,7 +359,7 @@ def test_frozen_systems_get_the_same_execute_model_limit_past_a_turn(tmp_path):
 
 
 def test_only_pdserve_fifo_passes_a_policy_and_it_is_plain_fifo(tmp_path):
-    from pdserve.bench.compare import pdserve_spec
+    from pdserve.bench.systems import pdserve_spec
 
     cfg = CompareConfig(bench=BenchConfig(rates_rps=[1.0]), model=tmp_path)
     slo = pdserve_spec(cfg, 5005).argv

@@ -58,15 +58,13 @@ if "ratios" in d:  # a compare without vLLM (an A/B of pdserves) has none
           f"pdserve {d['pdserve']['goodput']['goodput_rps'] or d['pdserve']['goodput']['status']}; "
           f"ratio {r['goodput_rps']}; output tok/s ratio at {r['at_rate_rps']} req/s "
           f"{r['output_tok_s']}")
+    for name in SYSTEMS[2:]:
+        ratios = d.get(f"ratios_{name}", {})
+        print(f"goodput: {name} {d[name]['goodput']['goodput_rps'] or d[name]['goodput']['status']}; "
+              f"ratio to vllm {ratios.get('goodput_rps')}")
 else:
     print("\n" + "; ".join(f"goodput: {n} {d[n]['goodput']['goodput_rps'] or d[n]['goodput']['status']}"
                            for n in SYSTEMS))
-for name in (s for s in SYSTEMS if s not in ("vllm", "pdserve")):
-    if "ratios" not in d:
-        break
-    ratios = d.get(f"ratios_{name}", {})
-    print(f"goodput: {name} {d[name]['goodput']['goodput_rps'] or d[name]['goodput']['status']}; "
-          f"ratio to vllm {ratios.get('goodput_rps')}")
 print("turns: " + ", ".join(f"{n} {rate:g}" for n, rate in d["config"].get("measured_in_order", [])))
 
 print("\nTPOT refusals and the served requests sent within 4 s of each (TPOT ms):")

@@ -437,8 +437,10 @@ class Dispatcher:
         TPOT that the steps alone serve within their objective."""
         seat.num_generated += num_tokens
         now = self._clock()
-        stalled = (worker.last_local_prefill_s >= now - gap_s
-                   or any(s.local_prefill_tokens for s in worker.seats))
+        # local_meter is busy exactly while a seat has a local prefill before its first
+        # token (_reserve starts it, first_token finishes it, release cancels it): O(1)
+        # where a scan of the seats would cost microseconds per streamed message.
+        stalled = worker.last_local_prefill_s >= now - gap_s or worker.local_meter.busy
         if num_tokens and not stalled:
             worker.step_meter.observe(len(worker.seats), gap_s / num_tokens, now)
 

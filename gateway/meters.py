@@ -89,6 +89,11 @@ class ServiceMeter:
         self._busy_contended = contended  # the next busy time begins now
         self._abandoned = None
 
+    @property
+    def busy(self) -> bool:
+        """Whether a request is in service (started, neither finished nor cancelled)."""
+        return self._num_busy > 0
+
     def cancel(self, now_s: float) -> None:
         """A request that left without completing: no sample, but it stops counting busy."""
         assert self._num_busy > 0
@@ -222,7 +227,7 @@ class LatencyMeter:
 
 def _bucket(num_running: int) -> int:
     """Power-of-two bucket of a batch size: 1, 2, 4, 8, ..."""
-    return 1 << max(0, math.ceil(math.log2(max(num_running, 1))))
+    return 1 << (max(num_running, 1) - 1).bit_length()
 
 
 @dataclass(slots=True)
@@ -247,7 +252,10 @@ class StepMeter:
     _by_bucket: dict[int, deque[tuple[float, float]]] = field(default_factory=dict)  # bucket -> (value, when)
 
     def observe(self, num_running: int, seconds_per_token: float, now_s: float) -> None:
-        samples = self._by_bucket.setdefault(_bucket(num_running), deque(maxlen=self.window))
+        bucket = _bucket(num_running)
+        samples = self._by_bucket.get(bucket)
+        if samples is None:  # not setdefault: this runs per streamed message
+            samples = self._by_bucket[bucket] = deque(maxlen=self.window)
         samples.append((seconds_per_token, now_s))
 
     def predict(self, num_running: int, now_s: float) -> float | None:

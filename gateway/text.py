@@ -103,7 +103,8 @@ class IncrementalDecoder:
 
 @dataclass(slots=True)
 class StopMatcher:
-    """Holds back text that could be the start of a stop string, and cuts at the first one."""
+    """Holds back text that could be the start of a stop string, and cuts at the first one.
+    Without stop strings it keeps nothing: each delta is sent as it comes."""
 
     stops: tuple[str, ...]
     text: str = ""
@@ -117,10 +118,10 @@ class StopMatcher:
     def feed(self, delta: str) -> str:
         """Adds new text; returns what is safe to send. Sets ``stopped`` at a stop string."""
         assert not self.stopped
+        if not self.stops:  # nothing to hold back or search: the text passes as it is
+            return delta
         search_from = max(0, len(self.text) - self.holdback)
         self.text += delta
-        if not self.stops:
-            return self._emit_to(len(self.text))
         hits = [i for i in (self.text.find(s, search_from) for s in self.stops) if i >= 0]
         if hits:
             self.stopped = True

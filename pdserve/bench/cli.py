@@ -407,7 +407,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     stop_on_sigterm()
     if args.log_dir is None:
         link_latest(cfg.log_dir)
-    print(f"[bench] server logs in {cfg.log_dir}/", file=sys.stderr)
+    print(f"[bench] server logs in {cfg.log_dir.resolve()}/", file=sys.stderr)
     try:
         result = (compare.run_sequential if cfg.sequential else interleave.run_interleaved)(cfg)
     except KeyboardInterrupt:

@@ -11,8 +11,11 @@ user + system time from /proc, before and after.
     python -m pdserve.bench.grpc_floor [--streams 64] [--calls 128] [--tokens 128]
 
 Prints the relay's and the source's CPU per token (the source's is the floor of sending
-alone). Compare with the gateway's figure (`scripts/bench_gateway_cpu.sh`): what is above
-the relay's is pdserve's own work per token.
+alone, plus a timer per message). With `--engine-steps` the source wakes once per step and
+hands every open stream its token through a queue, as the gateway's shared decode stream
+does: its CPU is then the floor of the gateway's send half alone (a wake-up per stream per
+step, a message per token), without a timer per stream. Compare with the gateway's figure
+(`scripts/bench_gateway_cpu.sh`): what is above the relay's is pdserve's own work per token.
 """
 
 from __future__ import annotations
@@ -36,10 +39,23 @@ def cpu_s(pid: int) -> float:
 
 
 class Source(generation_pb2_grpc.GenerationServicer):
-    def __init__(self, step_s: float, per_message: int) -> None:
-        self.step_s, self.per_message = step_s, per_message
+    def __init__(self, step_s: float, per_message: int, engine_steps: bool = False) -> None:
+        self.step_s, self.per_message, self.engine_steps = step_s, per_message, engine_steps
+        self.open: set[asyncio.Queue] = set()
+        self.ticker: asyncio.Task | None = None
+
+    async def _tick(self) -> None:
+        """One engine step every step_s: a token for every open stream."""
+        while True:
+            await asyncio.sleep(self.step_s)
+            for tokens in self.open:
+                tokens.put_nowait(1)
 
     async def Generate(self, request, context):
+        if self.engine_steps:
+            async for response in self._stepped(request):
+                yield response
+            return
         n, k = request.sampling.max_tokens, self.per_message
         for i in range(0, n, k):
             batch = range(i, min(i + k, n))
@@ -47,6 +63,25 @@ class Source(generation_pb2_grpc.GenerationServicer):
             yield generation_pb2.GenerateResponse(request_id=request.request_id,
                                                   token_ids=[1000 + j for j in batch],
                                                   text=" tok" * len(batch))
+
+    async def _stepped(self, request):
+        if self.ticker is None:
+            self.ticker = asyncio.create_task(self._tick())
+        n, k = request.sampling.max_tokens, self.per_message
+        tokens: asyncio.Queue = asyncio.Queue()
+        self.open.add(tokens)
+        try:
+            sent = 0
+            while sent < n:
+                count = min(k, n - sent)
+                for _ in range(count):
+                    await tokens.get()
+                yield generation_pb2.GenerateResponse(request_id=request.request_id,
+                                                      token_ids=[1000 + j for j in range(sent, sent + count)],
+                                                      text=" tok" * count)
+                sent += count
+        finally:
+            self.open.discard(tokens)
 
 
 class Relay(generation_pb2_grpc.GenerationServicer):
@@ -59,12 +94,13 @@ class Relay(generation_pb2_grpc.GenerationServicer):
             yield response
 
 
-def serve(role: str, port_out, upstream: str | None, step_s: float, per_message: int) -> None:
+def serve(role: str, port_out, upstream: str | None, step_s: float, per_message: int,
+          engine_steps: bool = False) -> None:
     import uvloop
 
     async def main() -> None:
         server = grpc.aio.server(options=rpc.CHANNEL_OPTIONS)
-        servicer = Source(step_s, per_message) if role == "source" else Relay(upstream or "")
+        servicer = Source(step_s, per_message, engine_steps) if role == "source" else Relay(upstream or "")
         generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
@@ -74,11 +110,11 @@ def serve(role: str, port_out, upstream: str | None, step_s: float, per_message:
     uvloop.run(main())
 
 
-def start(role: str, upstream: str | None, step_s: float,
-          per_message: int = 1) -> tuple[multiprocessing.Process, int]:
+def start(role: str, upstream: str | None, step_s: float, per_message: int = 1,
+          engine_steps: bool = False) -> tuple[multiprocessing.Process, int]:
     ctx = multiprocessing.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=serve, args=(role, child, upstream, step_s, per_message),
+    proc = ctx.Process(target=serve, args=(role, child, upstream, step_s, per_message, engine_steps),
                        daemon=True)
     proc.start()
     if not parent.poll(60):
@@ -115,8 +151,12 @@ def main() -> None:
                    help="the source's time between a stream's tokens (an engine step)")
     p.add_argument("--tokens-per-message", type=int, default=1,
                    help="tokens the source sends per message (a stream interval)")
+    p.add_argument("--engine-steps", action="store_true",
+                   help="one timer for all streams, tokens handed over through queues (the "
+                        "gateway's send half), instead of a timer per stream")
     args = p.parse_args()
-    source, source_port = start("source", None, args.step_ms / 1000, args.tokens_per_message)
+    source, source_port = start("source", None, args.step_ms / 1000, args.tokens_per_message,
+                                 args.engine_steps)
     relay, relay_port = start("relay", f"127.0.0.1:{source_port}", 0.0)
     try:
         asyncio.run(drive(f"127.0.0.1:{relay_port}", args.streams, args.streams, 4))  # warm
@@ -140,7 +180,8 @@ def main() -> None:
           f"{wall:.1f} s, step {args.step_ms:g} ms")
     print(f"relay (receive + send per token): {used['relay']:.2f} s CPU, "
           f"{used['relay'] / tokens * 1e6:.0f} us per token")
-    print(f"source (send per token, plus its timers): {used['source']:.2f} s CPU, "
+    timers = "one timer per step" if args.engine_steps else "plus a timer per message"
+    print(f"source (send per token, {timers}): {used['source']:.2f} s CPU, "
           f"{used['source'] / tokens * 1e6:.0f} us per token")
 
 

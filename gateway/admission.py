@@ -127,9 +127,19 @@ def decide(forecast: Forecast, ttft_slo_s: float | None, tpot_slo_s: float | Non
     return None
 
 
+def figure(value: float, digits: int) -> str:
+    """``value`` to ``digits`` decimals, or up to 3 more where a non-zero value would read
+    as zero: from `pdserve generate --slo-ttft-ms 1`, "the request's objective of 0.00 s"."""
+    extra = 0
+    while extra < 3 and value > 0 and float(f"{value:.{digits + extra}f}") == 0:
+        extra += 1
+    return f"{value:.{digits + extra}f}"
+
+
 def _distinct(value: float, objective: float, digits: int) -> tuple[str, str]:
-    """Both numbers to ``digits`` decimals, or to as many more (up to 3) as tell them apart:
+    """Both numbers as `figure`s, with as many more decimals (up to 3) as tell them apart:
     seen in the short benchmark, "at best 49 ms exceeds the request's objective of 49 ms"."""
+    digits = len(figure(objective, digits).partition(".")[2])
     extra = 0
     while extra < 3 and f"{value:.{digits + extra}f}" == f"{objective:.{digits + extra}f}":
         extra += 1

@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from gateway import metrics
-from gateway.admission import Forecast, Reason, Refusal, decide
+from gateway.admission import Forecast, Reason, Refusal, decide, figure
 from gateway.forecast import Forecaster
 from gateway.placement import (Placement, PlacementConfig, PrefixIndex, Where, local_step_tokens, move_stalled,
                                place, place_without_tier, soonest_local_ttft_s, stalled_after_s)
@@ -242,8 +242,8 @@ class Dispatcher:
     def _refuse_late(self, ticket: Ticket, predicted_ttft_s: float, now: float) -> None:
         assert ticket.ttft_slo_s is not None
         self._refuse_queued(ticket, f"after {now - ticket.arrival_s:.2f} s in the queue, the predicted time "
-                            f"to first token {predicted_ttft_s:.2f} s exceeds the request's objective of "
-                            f"{ticket.ttft_slo_s:.2f} s", min(max(predicted_ttft_s - ticket.ttft_slo_s, 0.5), 60.0))
+                            f"to first token {figure(predicted_ttft_s, 2)} s exceeds the request's objective of "
+                            f"{figure(ticket.ttft_slo_s, 2)} s", min(max(predicted_ttft_s - ticket.ttft_slo_s, 0.5), 60.0))
 
     def _overdue(self, now: float) -> list[Ticket]:
         """Queued tickets whose TTFT objective has passed: no placement can meet it now."""
@@ -256,7 +256,7 @@ class Dispatcher:
         benchmark, a 514-token prompt refused after 14.8 s in the queue against a 12.4 s
         objective. The caller learns at the objective that it will not be met."""
         self.queue.remove(ticket)
-        self._refuse_queued(ticket, f"its time-to-first-token objective of {ticket.ttft_slo_s:.2f} s passed "
+        self._refuse_queued(ticket, f"its time-to-first-token objective of {figure(ticket.ttft_slo_s, 2)} s passed "
                             f"after {now - ticket.arrival_s:.2f} s in the gateway's {ticket.priority.label} "
                             "queue, before a worker could take it", 1.0)
 

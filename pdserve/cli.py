@@ -329,6 +329,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--timeout-s", type=float, default=120.0)
+    p.add_argument("--priority", choices=("interactive", "batch", "offline"), default=None,
+                   help="the request's class (the gateway's default: interactive)")
+    p.add_argument("--slo-ttft-ms", type=int, default=None, metavar="MS",
+                   help="time-to-first-token objective (0: none; default: the class's)")
+    p.add_argument("--slo-tpot-ms", type=int, default=None, metavar="MS",
+                   help="time-per-output-token objective (0: none; default: the class's)")
     p.add_argument("--wait", type=float, nargs="?", const=300.0, default=None, metavar="SECONDS",
                    help="wait up to SECONDS (300 if not given; put the flag after the prompt) for the "
                         "gateway to be SERVING; without it a stack not ready yet exits at once with status 3")

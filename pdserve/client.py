@@ -28,6 +28,16 @@ def generate(args) -> int:
         request.messages.add(role="user", content=args.prompt)
     else:
         request.prompt = args.prompt
+    if getattr(args, "priority", None):
+        request.priority = generation_pb2.Priority.Value(f"PRIORITY_{args.priority.upper()}")
+    for field in ("ttft_ms", "tpot_ms"):
+        value = getattr(args, f"slo_{field}", None)
+        if value is not None:
+            if value < 0:
+                print(f"pdserve generate: --slo-{field.replace('_', '-')} must be >= 0 (0: no objective)",
+                      file=sys.stderr)
+                return EXIT_FAILED
+            setattr(request.slo, field, value)
     streamed = False
     with grpc.insecure_channel(args.address) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
@@ -47,9 +57,29 @@ def generate(args) -> int:
             if e.code() == grpc.StatusCode.UNAVAILABLE and not streamed:
                 print(not_ready_line(args.address, e), file=sys.stderr)
                 return EXIT_NOT_READY
-            print(f"\npdserve generate: {e.code().name}: {e.details()}", file=sys.stderr)
+            retry = retry_after_s(e)
+            hint = "" if retry is None else f" (the gateway suggests retrying in {retry:g} s)"
+            end_line = "\n" if streamed else ""  # after the text streamed so far
+            print(f"{end_line}pdserve generate: {e.code().name}: {e.details()}{hint}", file=sys.stderr)
             return EXIT_FAILED
     return 0
+
+
+def retry_after_s(e: grpc.RpcError) -> float | None:
+    """The google.rpc.RetryInfo delay the gateway sent with a refusal, in seconds; None
+    without one."""
+    from google.rpc import error_details_pb2
+    from grpc_status import rpc_status
+
+    try:
+        status = rpc_status.from_call(e)
+    except ValueError:  # a status whose details disagree with its code or message
+        return None
+    for detail in status.details if status is not None else ():
+        info = error_details_pb2.RetryInfo()
+        if detail.Unpack(info):
+            return info.retry_delay.ToNanoseconds() / 1e9
+    return None
 
 
 def not_ready_line(address: str, e: grpc.RpcError) -> str:

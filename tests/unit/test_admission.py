@@ -11,6 +11,7 @@ from gateway.admission import (
     Forecast,
     Reason,
     decide,
+    figure,
     predict_ttft_s,
     remaining_tokens,
 )
@@ -181,6 +182,11 @@ def test_a_refusal_never_prints_the_forecast_equal_to_the_objective():
     assert "first token 0.211 s exceeds the request's objective of 0.206 s" in ttft.message
     apart = decide(Forecast(0.2512, None), ttft_slo_s=0.2061, tpot_slo_s=None)
     assert "first token 0.25 s exceeds the request's objective of 0.21 s" in apart.message
+    # `pdserve generate --slo-ttft-ms 1` read "0.06 s exceeds the request's objective of 0.00 s".
+    assert [figure(v, 2) for v in (2.0, 0.0, 0.001, 0.0042, 0.0001, 0.000001)] == [
+        "2.00", "0.00", "0.001", "0.004", "0.0001", "0.00000"]
+    tiny = decide(Forecast(0.0612, None), ttft_slo_s=0.001, tpot_slo_s=None)
+    assert "first token 0.061 s exceeds the request's objective of 0.001 s" in tiny.message
 
 
 def test_ratio_quantile_is_the_lower_neighbour_of_recent_ratios():

@@ -11,7 +11,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from pdserve import client, probe
+from pdserve import client, probe, rpc
 from pdserve.launcher import free_port
 from protos import generation_pb2, generation_pb2_grpc
 
@@ -24,10 +24,16 @@ class FakeGateway(generation_pb2_grpc.GenerationServicer):
 
     def __init__(self) -> None:
         self.ready = threading.Event()
+        self.requests: list[generation_pb2.GenerateRequest] = []
 
     def Generate(self, request, context):
         if not self.ready.is_set():
             context.abort(grpc.StatusCode.UNAVAILABLE, "no ready decode worker")
+        self.requests.append(request)
+        if request.slo.ttft_ms == 1:  # as the gateway refuses: a RetryInfo in the status details
+            message = "predicted time to first token 0.20 s exceeds the request's objective of 0.001 s"
+            context.set_trailing_metadata(rpc.retry_info_metadata(grpc.StatusCode.RESOURCE_EXHAUSTED, message, 2.5))
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, message)
         yield generation_pb2.GenerateResponse(text="Paris", finish_reason="stop")
 
 
@@ -46,13 +52,13 @@ def gateway():
         health_servicer.set("", SERVING)
         fake.ready.set()
 
-    yield f"127.0.0.1:{port}", serve
+    yield f"127.0.0.1:{port}", serve, fake
     server.stop(None)
 
 
-def generate_args(address: str, wait: float | None = None) -> argparse.Namespace:
+def generate_args(address: str, wait: float | None = None, **policy) -> argparse.Namespace:
     return argparse.Namespace(prompt="Capital of France?", chat=False, address=address, max_tokens=4,
-                              temperature=0.0, timeout_s=10.0, wait=wait)
+                              temperature=0.0, timeout_s=10.0, wait=wait, **policy)
 
 
 def refused_address() -> str:
@@ -60,7 +66,7 @@ def refused_address() -> str:
 
 
 def test_probe_states(gateway):
-    address, serve = gateway
+    address, serve, _ = gateway
     assert probe.check(address) == probe.Health("NOT_SERVING")
     assert probe.main([address]) == 1
     serve()
@@ -86,14 +92,14 @@ def test_generate_without_a_gateway_is_one_line_and_status_3(capsys):
 
 
 def test_generate_before_the_workers_are_ready(capsys, gateway):
-    address, _ = gateway
+    address, _, _ = gateway
     assert client.generate(generate_args(address)) == 3
     assert capsys.readouterr().err == (
         f"pdserve generate: the stack at {address} is not ready yet (no ready decode worker); retry, or add --wait\n")
 
 
 def test_generate_waits_for_serving(capsys, gateway):
-    address, serve = gateway
+    address, serve, _ = gateway
     timer = threading.Timer(0.5, serve)
     timer.start()
     try:
@@ -107,7 +113,37 @@ def test_generate_waits_for_serving(capsys, gateway):
 
 
 def test_generate_wait_gives_up(capsys, gateway):
-    address, _ = gateway
+    address, _, _ = gateway
     assert client.generate(generate_args(address, wait=0.3)) == 3
     assert capsys.readouterr().err.splitlines()[-1] == (
         f"pdserve generate: {address} was not SERVING after 0.3 s (NOT_SERVING); is the stack up? (`pdserve up`)")
+
+
+def test_generate_sends_the_class_and_objectives_given(gateway):
+    address, serve, fake = gateway
+    serve()
+    assert client.generate(generate_args(address)) == 0
+    assert client.generate(generate_args(address, priority="offline", slo_ttft_ms=60000, slo_tpot_ms=0)) == 0
+    default, offline = fake.requests
+    assert default.priority == generation_pb2.PRIORITY_UNSPECIFIED  # the gateway's default class
+    assert not default.slo.HasField("ttft_ms") and not default.slo.HasField("tpot_ms")
+    assert offline.priority == generation_pb2.PRIORITY_OFFLINE
+    assert offline.slo.HasField("ttft_ms") and offline.slo.ttft_ms == 60000
+    assert offline.slo.HasField("tpot_ms") and offline.slo.tpot_ms == 0  # 0 sent: no objective
+
+
+def test_generate_refused_prints_the_reason_and_the_retry_hint(capsys, gateway):
+    address, serve, _ = gateway
+    serve()
+    assert client.generate(generate_args(address, slo_ttft_ms=1)) == 1
+    assert capsys.readouterr().err == (
+        "pdserve generate: RESOURCE_EXHAUSTED: predicted time to first token 0.20 s exceeds the "
+        "request's objective of 0.001 s (the gateway suggests retrying in 2.5 s)\n")
+
+
+def test_generate_refuses_a_negative_objective(capsys, gateway):
+    address, serve, fake = gateway
+    serve()
+    assert client.generate(generate_args(address, slo_tpot_ms=-5)) == 1
+    assert capsys.readouterr().err == "pdserve generate: --slo-tpot-ms must be >= 0 (0: no objective)\n"
+    assert fake.requests == []

@@ -195,7 +195,7 @@ def test_every_panel_queries_prometheus():
     assert (board["uid"], board["title"]) == ("pdserve", "pdserve")
     shown = dashboard.panels(board)
     ids = [p["id"] for p in board["panels"]] + [q["id"] for p in board["panels"] for q in p.get("panels", [])]
-    assert len(set(ids)) == len(ids) and len(shown) == 16
+    assert len(set(ids)) == len(ids) and len(shown) == 18
     for panel in shown:
         assert panel["targets"], panel["title"]
         for target in panel["targets"]:
@@ -209,7 +209,8 @@ def test_the_dashboard_shows_what_operators_asked_for():
         "vllm:time_to_first_token_seconds_bucket", "vllm:inter_token_latency_seconds_bucket",
         "vllm:generation_tokens_total", "pdserve_queue_length", "pdserve_refusals_total",
         "vllm:kv_cache_usage_perc", "vllm:num_requests_running", "pdserve_kv_transfer_bytes_total",
-        "pdserve_tpot_forecast_ratio_bucket",
+        "pdserve_tpot_forecast_ratio_bucket", "pdserve_queue_wait_seconds_bucket", "process_cpu_seconds_total",
+        "pdserve_tokenizer_pool_cpu_seconds_total",
     } <= metrics
 
 
@@ -228,7 +229,7 @@ def test_every_dashboard_metric_is_defined_where_its_job_scrapes():
     """Gateway names from gateway.metrics, KV transfer names from kvtransfer.metrics (the
     workers), engine names from vLLM's own loggers (the workers): defined, if not yet
     exported; tests/integration/test_dashboard.py checks a running stack."""
-    defined = {"gateway": _series(["gateway.metrics"]), "prefill": set(), "decode": set()}
+    defined = {"gateway": _series(["gateway.metrics"]) | _collected_gateway_series(), "prefill": set(), "decode": set()}
     for worker in ("prefill", "decode"):
         defined[worker] = _series(["kvtransfer.metrics"]) | _vllm_series()
     for selector, titles in dashboard.all_selectors(dashboard.load()).items():
@@ -246,6 +247,21 @@ def _series(modules: list[str]) -> set[str]:
         for obj in vars(importlib.import_module(module)).values():
             if isinstance(obj, prometheus_client.metrics.MetricWrapperBase):
                 names |= _suffixed(obj._name, obj._type)
+    return names
+
+
+def _collected_gateway_series() -> set[str]:
+    """What the gateway exports through collectors rather than metric objects: its own
+    process's CPU (prometheus_client's process collector) and its tokenizer pool's."""
+    from prometheus_client import CollectorRegistry, ProcessCollector
+
+    from gateway.metrics import register_tokenizer_pool_cpu
+
+    names = set()
+    for collector in (ProcessCollector(registry=None),
+                      register_tokenizer_pool_cpu(lambda: 0.0, registry=CollectorRegistry())):
+        for family in collector.collect():
+            names |= {sample.name for sample in family.samples}
     return names
 
 

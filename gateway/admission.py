@@ -130,16 +130,21 @@ def decide(forecast: Forecast, ttft_slo_s: float | None, tpot_slo_s: float | Non
 def figure(value: float, digits: int) -> str:
     """``value`` to ``digits`` decimals, or up to 3 more where a non-zero value would read
     as zero: from `pdserve generate --slo-ttft-ms 1`, "the request's objective of 0.00 s"."""
+    return f"{value:.{_decimals(value, digits)}f}"
+
+
+def _decimals(value: float, digits: int) -> int:
+    """``digits``, or up to 3 more where a non-zero ``value`` would read as zero."""
     extra = 0
     while extra < 3 and value > 0 and float(f"{value:.{digits + extra}f}") == 0:
         extra += 1
-    return f"{value:.{digits + extra}f}"
+    return digits + extra
 
 
 def _distinct(value: float, objective: float, digits: int) -> tuple[str, str]:
     """Both numbers as `figure`s, with as many more decimals (up to 3) as tell them apart:
     seen in the short benchmark, "at best 49 ms exceeds the request's objective of 49 ms"."""
-    digits = len(figure(objective, digits).partition(".")[2])
+    digits = _decimals(objective, digits)
     extra = 0
     while extra < 3 and f"{value:.{digits + extra}f}" == f"{objective:.{digits + extra}f}":
         extra += 1

@@ -28,16 +28,16 @@ def generate(args) -> int:
         request.messages.add(role="user", content=args.prompt)
     else:
         request.prompt = args.prompt
-    if getattr(args, "priority", None):
+    if args.priority:
         request.priority = generation_pb2.Priority.Value(f"PRIORITY_{args.priority.upper()}")
-    for field in ("ttft_ms", "tpot_ms"):
-        value = getattr(args, f"slo_{field}", None)
-        if value is not None:
-            if value < 0:
-                print(f"pdserve generate: --slo-{field.replace('_', '-')} must be >= 0 (0: no objective)",
-                      file=sys.stderr)
-                return EXIT_FAILED
-            setattr(request.slo, field, value)
+    for flag, value in (("--slo-ttft-ms", args.slo_ttft_ms), ("--slo-tpot-ms", args.slo_tpot_ms)):
+        if value is not None and value < 0:
+            print(f"pdserve generate: {flag} must be >= 0 (0: no objective)", file=sys.stderr)
+            return EXIT_FAILED
+    if args.slo_ttft_ms is not None:
+        request.slo.ttft_ms = args.slo_ttft_ms
+    if args.slo_tpot_ms is not None:
+        request.slo.tpot_ms = args.slo_tpot_ms
     streamed = False
     with grpc.insecure_channel(args.address) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)

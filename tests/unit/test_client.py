@@ -57,8 +57,9 @@ def gateway():
 
 
 def generate_args(address: str, wait: float | None = None, **policy) -> argparse.Namespace:
+    flags = {"priority": None, "slo_ttft_ms": None, "slo_tpot_ms": None} | policy
     return argparse.Namespace(prompt="Capital of France?", chat=False, address=address, max_tokens=4,
-                              temperature=0.0, timeout_s=10.0, wait=wait, **policy)
+                              temperature=0.0, timeout_s=10.0, wait=wait, **flags)
 
 
 def refused_address() -> str:

@@ -37,7 +37,8 @@ BEST_CASE_QUANTILE = 0.0
 # best case moves up the recent ratios, to their median (no lucky request assumed) at
 # TPOT_MISS_AT_MEDIAN: under overload the luckiest of 16 ratios is far below the rest, and
 # admitting on it let in requests that then missed. Seen in the short benchmark at 3.57 and
-# 4.24 req/s: 22 and 29 refused, 56 and 118 of the served missing TPOT.
+# 4.24 req/s: 22 and 29 refused, 56 and 118 of the served missing TPOT. Misses count only
+# since the worker last ran out of requests (`RatioMeter.drained`).
 TPOT_MISS_ALLOWANCE = 0.05
 TPOT_MISS_AT_MEDIAN = 0.15
 # A refusal's retry hint is clamped to this range (seconds).

@@ -456,4 +456,6 @@ class Dispatcher:
             if seat.forecast_tpot_s:
                 metrics.TPOT_FORECAST_RATIO.observe(tpot_s / seat.forecast_tpot_s)
         worker.seats.discard(seat)
+        if not worker.seats:
+            worker.tpot_ratio.drained(now)
         self.pump()

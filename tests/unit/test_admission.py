@@ -325,6 +325,24 @@ def test_ratio_meter_counts_recent_misses_among_requests_with_a_tpot_objective()
     assert m.miss_share(10.5) == pytest.approx(1 / 3)  # the first aged out
 
 
+def test_ratio_meter_forgets_the_misses_from_before_the_worker_drained():
+    from gateway.meters import RatioMeter
+
+    m = RatioMeter(max_age_s=60.0)
+    for t in (1.0, 2.0, 3.0):
+        m.observe(0.090, 0.060, t, objective=0.065)  # an overload's last requests: missed
+    assert m.miss_share(3.0) == 1.0
+    m.drained(3.0)  # the last of them left the worker
+    assert m.miss_share(3.0) is None  # nothing judged since: the luckiest ratio again
+    m.observe(0.050, 0.060, 4.0, objective=0.065)
+    m.observe(0.060, 0.060, 5.0, objective=0.065)
+    m.observe(0.070, 0.060, 6.0, objective=0.065)  # missed
+    assert m.miss_share(6.0) == pytest.approx(1 / 3)
+    # The ratios themselves are kept: only whether requests missed is forgotten.
+    assert m.ratio(6.0) == pytest.approx((0.070 + 0.090) / 2 / 0.060)  # the median of all six
+    assert m.quantile(0.0, 6.0) == pytest.approx(0.050 / 0.060)
+
+
 def test_ratio_meter_is_the_median_of_recent_requests_measured_over_predicted():
     from gateway.meters import RatioMeter
 

@@ -224,6 +224,36 @@ def test_tpot_admission_assumes_no_luck_while_recent_requests_miss_their_objecti
     d.admit(new)
 
 
+def test_tpot_admission_forgets_the_misses_once_the_worker_drains():
+    """Two of five requests missed an 85 ms objective (the test above: the best case is the
+    median, 80 ms, and a 66 ms request is refused) while two more ran. Once both have left
+    the worker, nothing it runs now missed: the best case is the luckiest ratio again (64
+    ms) and the request is admitted. While one of them still runs, it is refused."""
+    from gateway.meters import StepMeter
+    from gateway.workers import Seat
+
+    d, pool, clock = dispatcher()
+    d0 = pool.by_address("d0")
+    d0.step_meter = StepMeter(min_samples=1)
+    d0.step_meter.observe(1, 0.080, clock.now)
+    running = [Seat(f"r{i}", kv_tokens=100, max_tokens=40, tpot_slo_s=None) for i in range(2)]
+    for seat in running:
+        d0.seats.add(seat)
+    for measured in (0.064, 0.072, 0.080, 0.088, 0.100):
+        d0.tpot_ratio.observe(measured, 0.080, clock.now, objective=0.085)
+    clock.now += 1.0
+    d.release(d0, running[0])
+    new = Ticket("new", I, 40, 33, clock.now, tpot_slo_s=0.066)
+    with pytest.raises(Refused, match="predicted time per output token 80 ms exceeds"):
+        d.admit(new)
+    clock.now += 1.0
+    d.release(d0, running[1])
+    d0.step_meter.observe(1, 0.080, clock.now)
+    new = Ticket("new", I, 40, 33, clock.now, tpot_slo_s=0.066)
+    assert d.forecast(new).tpot_best_s == pytest.approx(0.064)
+    d.admit(new)
+
+
 def test_tpot_admission_counts_the_requests_joining_at_the_recent_rate():
     """20 requests of 40 tokens joined d0 in the last 10 s (2/s, 0.12 per 60 ms step): a
     33-token request on an idle worker shares its steps with about 0.12 j others by step

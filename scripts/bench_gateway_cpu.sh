@@ -21,7 +21,8 @@
 # not its engine's processes) per token.
 # Environment: STREAMS (64), REQUESTS (128) and LOAD (the lengths: "--input-len-range 16:32
 # --output-len-range 128:128") set the load; REPEATS=N (1) alternates the two sides N times
-# (before, after, before, after, ...), each run named NAME-i, for drift to show as spread.
+# (before, after, before, after, ...), each run named NAME-i, for drift to show as spread;
+# UP_ARGS adds arguments to every `pdserve up` (e.g. "--max-model-len 4096", as the compare).
 #   STREAMS=4 REQUESTS=100 LOAD="--workload short" REPEATS=2 scripts/bench_gateway_cpu.sh REV OUT
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -44,7 +45,8 @@ measure() {  # name, source tree, extra `pdserve up` arguments
   port=$($py -c 'from pdserve.launcher import free_port; print(free_port())')
   mport=$($py -c 'from pdserve.launcher import free_port_block; print(free_port_block(3))')
   echo "[gateway-cpu] $name: pdserve up from $src" >&2
-  (cd "$src" && PYTHONPATH="$src" exec $py -m pdserve.cli up --port "$port" --metrics-port "$mport" "$@") \
+  # shellcheck disable=SC2086 # UP_ARGS is a list of arguments
+  (cd "$src" && PYTHONPATH="$src" exec $py -m pdserve.cli up --port "$port" --metrics-port "$mport" ${UP_ARGS:-} "$@") \
       > "bench-logs/gateway-cpu-$name.log" 2>&1 &
   local up=$!
   for _ in $(seq 600); do grep -q '^pdserve ready' "bench-logs/gateway-cpu-$name.log" && break; sleep 1; done

@@ -39,37 +39,29 @@ tree=
 cleanup() { [[ -z $tree ]] || git worktree remove --force "$tree" 2>/dev/null || rm -rf "$tree"; }
 trap cleanup EXIT
 
+# shellcheck source=scripts/gateway_stack.sh
+. scripts/gateway_stack.sh
+
 measure() {  # name, source tree, extra `pdserve up` arguments
   local name=$1 src=$2; shift 2
-  local port mport
-  port=$($py -c 'from pdserve.launcher import free_port; print(free_port())')
-  mport=$($py -c 'from pdserve.launcher import free_port_block; print(free_port_block(3))')
   echo "[gateway-cpu] $name: pdserve up from $src" >&2
-  # shellcheck disable=SC2086 # UP_ARGS is a list of arguments
-  (cd "$src" && PYTHONPATH="$src" exec $py -m pdserve.cli up --port "$port" --metrics-port "$mport" ${UP_ARGS:-} "$@") \
-      > "bench-logs/gateway-cpu-$name.log" 2>&1 &
-  local up=$!
-  for _ in $(seq 600); do grep -q '^pdserve ready' "bench-logs/gateway-cpu-$name.log" && break; sleep 1; done
-  grep -q '^pdserve ready' "bench-logs/gateway-cpu-$name.log" || { kill -TERM $up; echo "[gateway-cpu] $name did not start" >&2; exit 1; }
+  start_gateway_stack "bench-logs/gateway-cpu-$name.log" "$src" "$@" || exit 1
+  local up=$gw_up
   # The gateway's process tree (the gateway and its tokenizer pool), read the same way for
   # both revisions: the "before" gateway exports no pool CPU.
   local cpu0 dcpu0
   cpu0=$(gateway_tree_cpu $up)
   dcpu0=$(decode_front_cpu $up)
-  # shellcheck disable=SC2086 # LOAD is a list of arguments
-  PYTHONPATH="$root" $py -m pdserve.cli bench run --target "127.0.0.1:$port" --concurrency "${STREAMS:-64}" \
-      --num-requests "${REQUESTS:-128}" --warmup 0 ${LOAD:---input-len-range 16:32 --output-len-range 128:128} \
-      --gateway-metrics "127.0.0.1:$mport" --json "$out/$name.json" >&2 || true
+  run_gateway_load "$out/$name.json" >&2 || true
   echo "$(gateway_tree_cpu $up) - $cpu0" | bc > "$out/$name.tree_cpu_s"
   echo "$(decode_front_cpu $up) - $dcpu0" | bc > "$out/$name.decode_cpu_s"
   kill -TERM $up; wait $up || true
 }
 
 gateway_tree_cpu() {  # pid of `pdserve up` -> CPU seconds of its gateway and the gateway's children
-  $py - "$1" <<'PY'
+  $py - "$(gateway_pid "$1")" <<'PY'
 import sys, psutil
-up = psutil.Process(int(sys.argv[1]))
-gw = next(p for p in up.children(recursive=True) if "gateway" in p.cmdline()[3:5])
+gw = psutil.Process(int(sys.argv[1]))
 procs = [gw, *gw.children(recursive=True)]
 print(sum(p.cpu_times().user + p.cpu_times().system for p in procs))
 PY

@@ -16,30 +16,19 @@ command -v perf >/dev/null || { echo "profile_gateway: perf not found (apt-get i
 out=${1:-bench-results/gateway-profile}
 py=${PYTHON:-.venv/bin/python}
 mkdir -p "$out" bench-logs
-port=$($py -c 'from pdserve.launcher import free_port; print(free_port())')
-mport=$($py -c 'from pdserve.launcher import free_port_block; print(free_port_block(3))')
+py="$(cd "$(dirname "$py")" && pwd)/$(basename "$py")"
+# shellcheck source=scripts/gateway_stack.sh
+. scripts/gateway_stack.sh
 log=bench-logs/gateway-profile.log
-$py -m pdserve.cli up --port "$port" --metrics-port "$mport" > "$log" 2>&1 &
-up=$!
 load=
 cleanup() {
   [[ -z $load ]] || kill "$load" 2>/dev/null || true
-  kill -TERM "$up" 2>/dev/null || true
-  wait "$up" 2>/dev/null || true
+  [[ -z $gw_up ]] || { kill -TERM "$gw_up" 2>/dev/null; wait "$gw_up" 2>/dev/null; } || true
 }
 trap cleanup EXIT
-for _ in $(seq 600); do grep -q '^pdserve ready' "$log" && break; sleep 1; done
-grep -q '^pdserve ready' "$log" || { echo "profile_gateway: pdserve did not start; see $log" >&2; exit 1; }
-gateway=$($py - "$up" <<'PY'
-import sys, psutil
-up = psutil.Process(int(sys.argv[1]))
-print(next(p.pid for p in up.children(recursive=True) if "gateway" in p.cmdline()[3:5]))
-PY
-)
-# shellcheck disable=SC2086 # LOAD is a list of arguments
-$py -m pdserve.cli bench run --target "127.0.0.1:$port" --concurrency "${STREAMS:-64}" \
-    --num-requests "${REQUESTS:-128}" --warmup 0 ${LOAD:---input-len-range 16:32 --output-len-range 128:128} \
-    --gateway-metrics "127.0.0.1:$mport" --json "$out/load.json" > "$out/load.log" 2>&1 &
+start_gateway_stack "$log" "$(pwd)" || exit 1
+gateway=$(gateway_pid "$gw_up")
+run_gateway_load "$out/load.json" > "$out/load.log" 2>&1 &
 load=$!
 sleep 10  # past the first prefills: the streams are decoding
 echo "[profile] perf on gateway pid $gateway for ${SECONDS_SAMPLED:-30} s" >&2

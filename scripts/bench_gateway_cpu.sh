@@ -46,20 +46,21 @@ measure() {  # name, source tree, extra `pdserve up` arguments
   local name=$1 src=$2; shift 2
   echo "[gateway-cpu] $name: pdserve up from $src" >&2
   start_gateway_stack "bench-logs/gateway-cpu-$name.log" "$src" "$@" || exit 1
-  local up=$gw_up
+  local up=$gw_up gw
+  gw=$(gateway_pid $up)
   # The gateway's process tree (the gateway and its tokenizer pool), read the same way for
   # both revisions: the "before" gateway exports no pool CPU.
   local cpu0 dcpu0
-  cpu0=$(gateway_tree_cpu $up)
+  cpu0=$(gateway_tree_cpu $gw)
   dcpu0=$(decode_front_cpu $up)
   run_gateway_load "$out/$name.json" >&2 || true
-  echo "$(gateway_tree_cpu $up) - $cpu0" | bc > "$out/$name.tree_cpu_s"
+  echo "$(gateway_tree_cpu $gw) - $cpu0" | bc > "$out/$name.tree_cpu_s"
   echo "$(decode_front_cpu $up) - $dcpu0" | bc > "$out/$name.decode_cpu_s"
   kill -TERM $up; wait $up || true
 }
 
-gateway_tree_cpu() {  # pid of `pdserve up` -> CPU seconds of its gateway and the gateway's children
-  $py - "$(gateway_pid "$1")" <<'PY'
+gateway_tree_cpu() {  # pid of the gateway -> CPU seconds of it and its children (the tokenizer pool)
+  $py - "$1" <<'PY'
 import sys, psutil
 gw = psutil.Process(int(sys.argv[1]))
 procs = [gw, *gw.children(recursive=True)]

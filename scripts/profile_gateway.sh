@@ -8,7 +8,7 @@
 #
 # Needs perf (Debian's linux-perf); software clock sampling works where the VM has no
 # hardware counters. Environment: FREQ (999 Hz), SECONDS_SAMPLED (30), and the load's
-# STREAMS (64), REQUESTS (128), LOAD as in bench_gateway_cpu.sh. Writes OUT_DIR/perf.data,
+# STREAMS (64), REQUESTS (128), LOAD and UP_ARGS as in bench_gateway_cpu.sh. Writes OUT_DIR/perf.data,
 # OUT_DIR/by-dso.txt and OUT_DIR/by-symbol.txt.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -9,7 +9,8 @@ vLLM's turns, an idle vLLM 1-2% beside pdserve's), so a machine whose speed drif
 minutes slows both sides of the ratio alike and no system's idle polling slows another.
 Each system's time share is counted in its own measurements only (`compare.Budget`, moved
 on by the time the others take). pdserve measures pdserve-fifo's policy rate on its next
-turn after fifo's miss, and its search reuses that measurement if it asks for the same rate.
+turn after fifo's miss (with time from the others' unspent shares when its own has too
+little: `borrow`), and its search reuses that measurement if it asks for the same rate.
 The CPU the idle systems used during each measurement is kept with it
 (`SystemResult.others_idle_cores`: zero when frozen).
 
@@ -295,12 +296,16 @@ async def alternate(lanes: list[Lane], out: CompareResult) -> None:
         log(f"{lane.name} goodput: {describe_outcome(lane.result.search)}")
 
 
-def borrow(lane: Lane, lanes: list[Lane], rate: float) -> bool:
-    """A search going down takes the time its next rate needs from the others' shares
-    (`search.loans_for`); False when it is not going down or they cannot cover it."""
+def borrow(lane: Lane, lanes: list[Lane], rate: float, policy_rate: bool = False) -> bool:
+    """A search going down, or pdserve at fifo's ``policy_rate``, takes the time that rate
+    needs from the others' shares (`search.loans_for`); False when it is neither or they
+    cannot cover it. The policy rate is the figure a mixed compare exists for: seen in the
+    mixed compare, fifo missed at 0.237 req/s and at its 0.118 floor, pdserve's share had
+    spent itself climbing to 0.474 and could not hold 0.118 (340 s) while fifo's, its search
+    over, had time to spare, and the JSON gave no policy figure at that rate."""
     assert lane.search is not None and lane.budget is not None
     lenders = [x for x in lanes if x is not lane and x.budget is not None]
-    if not lane.search.going_down or not lenders:
+    if not (policy_rate or lane.search.going_down) or not lenders:
         return False
     needed_s = lane.budget.cost_s(rate) - lane.budget.left_s()
     loans = loans_for(needed_s, [x.budget.left_s() for x in lenders])
@@ -313,7 +318,7 @@ def borrow(lane: Lane, lanes: list[Lane], rate: float) -> bool:
         f"than its share has left; {needed_s:.0f} s taken from "
         + ", ".join(f"{x.name}'s share ({loan:.0f} s)" for x, loan in zip(lenders, loans,
                                                                              strict=True))
-        + ": a lower rate says more than a higher one")
+        + (": fifo's policy rate" if policy_rate else ": a lower rate says more than a higher one"))
     return True
 
 
@@ -324,7 +329,7 @@ async def take_turn(lane: Lane, lanes: list[Lane], out: CompareResult) -> bool:
     measured = lane.measured()
     extras = [r for r in extra_rates(lane.name, out)
               if r not in measured and r not in lane.result.skipped_rates]
-    if extras and not lane.budget.fits(extras[0]):
+    if extras and not lane.budget.fits(extras[0]) and not borrow(lane, lanes, extras[0], policy_rate=True):
         log(f"{lane.name}: no time left for {extras[0]:g} req/s (fifo's policy rate)")
         lane.result.skipped_rates.append(extras[0])
         extras = []

@@ -162,7 +162,8 @@ class RateSearch:
 
 
 def loans_for(needed_s: float, lenders_left_s: list[float]) -> list[float] | None:
-    """What each lender gives so that a search going down can measure its next rate.
+    """What each lender gives so that a search going down can measure its next rate (or
+    pdserve its policy rate, `interleave.borrow`).
 
     In an interleaved compare each system has an equal share of the time. A system that
     missed at its first rate needs a lower one to report anything at all, while a system

@@ -169,17 +169,37 @@ def test_a_search_going_down_stops_when_the_others_cannot_lend_enough(monkeypatc
     assert out.systems["pdserve"].search.status.value == "unbracketed"
 
 
-def test_interleaved_policy_rate_out_of_time_is_skipped_and_the_search_goes_on(monkeypatch):
-    """fifo misses at 1 and at its floor 0.5 req/s; pdserve's share has no room for 0.5 (82
-    s on the fake clock) after its own 1.0 and 2.0, so it skips that policy rate and still
-    climbs from the 1.0 it measured as fifo's first miss."""
+def fifo_missing_to_its_floor(monkeypatch, fifo_share_s: float):
+    """fifo misses at 1 and at its floor 0.5 req/s; pdserve meets everything; pdserve's
+    100 s share has 36 s left after its own 1.0 and 2.0 (42 + 22 s on the fake clock), not
+    the 82 s that fifo's policy rate, 0.5, costs. Returns (result, lanes)."""
     from pdserve.bench.search import SearchConfig
 
     capacity = {"pdserve-fifo": 0.1, "pdserve": 10.0}
     search = SearchConfig(start_rps=1.0, floor_rps=0.5, max_up_steps=2)
-    out, _ = alternate_on_fake_clock(
+    return alternate_on_fake_clock(
         monkeypatch, lambda system, rate: 1.0 if rate < capacity[system] else 0.5, search,
-        {"pdserve-fifo": 1e6, "pdserve": 100.0})
+        {"pdserve-fifo": fifo_share_s, "pdserve": 100.0})
+
+
+def test_interleaved_policy_rate_borrows_from_the_others_unspent_shares(monkeypatch):
+    """fifo's search is over after its floor with time to spare: pdserve takes the 46 s its
+    policy rate needs beyond its own share from fifo's, measures 0.5 req/s, and has nothing
+    left for its search's 4 req/s."""
+    out, lanes = fifo_missing_to_its_floor(monkeypatch, fifo_share_s=1e6)
+    assert out.measured_in_order == [("pdserve-fifo", 1.0), ("pdserve", 1.0),
+                                     ("pdserve", 2.0), ("pdserve-fifo", 0.5), ("pdserve", 0.5)]
+    pd = out.systems["pdserve"]
+    assert pd.skipped_rates == [] and pd.stopped_by_budget
+    fifo_lane = next(lane for lane in lanes if lane.name == "pdserve-fifo")
+    assert fifo_lane.budget.left_s() == pytest.approx(1e6 - 42 - 82 - 46)
+
+
+def test_interleaved_policy_rate_out_of_time_is_skipped_and_the_search_goes_on(monkeypatch):
+    """As above, but fifo's 130 s share has 6 s left after its two rates: nobody can lend
+    pdserve the 46 s, so it skips that policy rate and still climbs from the 1.0 it
+    measured as fifo's first miss."""
+    out, _ = fifo_missing_to_its_floor(monkeypatch, fifo_share_s=130.0)
     assert out.measured_in_order == [("pdserve-fifo", 1.0), ("pdserve", 1.0),
                                      ("pdserve", 2.0), ("pdserve-fifo", 0.5), ("pdserve", 4.0)]
     pd = out.systems["pdserve"]

@@ -1,10 +1,12 @@
-# Sourced by scripts/bench_gateway_cpu.sh and scripts/profile_gateway.sh: a `pdserve up` stack
-# on free ports, its gateway's pid, and the 64-stream load both of them measure.
+# Sourced by scripts/bench_gateway_cpu.sh, profile_gateway.sh and floor_beside_load.sh: a
+# `pdserve up` stack on free ports, its gateway's pid, and the 64-stream load they measure
+# (in the foreground, or in the background while something else is measured beside it).
 # The caller sets `py` (an absolute path to the venv's python) before sourcing.
 
 gw_port=
 gw_mport=
 gw_up=
+gw_load=
 
 start_gateway_stack() {  # log, source tree, extra `pdserve up` arguments -> gw_port, gw_mport, gw_up
   local log=$1 src=$2; shift 2
@@ -38,4 +40,15 @@ run_gateway_load() {  # json path: the closed-loop load against the stack starte
   PYTHONPATH="$(pwd)" $py -m pdserve.cli bench run --target "127.0.0.1:$gw_port" --concurrency "${STREAMS:-64}" \
       --num-requests "${REQUESTS:-128}" --warmup 0 ${LOAD:---input-len-range 16:32 --output-len-range 128:128} \
       --gateway-metrics "127.0.0.1:$gw_mport" --json "$1"
+}
+
+start_background_load() {  # out dir -> gw_load: the load, writing OUT/load.json and OUT/load.log
+  run_gateway_load "$1/load.json" > "$1/load.log" 2>&1 &
+  gw_load=$!
+  sleep 10  # past the first prefills: the streams are decoding
+}
+
+stop_gateway_stack() {  # the background load and the stack, whichever are still running (an EXIT trap)
+  [[ -z $gw_load ]] || kill "$gw_load" 2>/dev/null || true
+  [[ -z $gw_up ]] || { kill -TERM "$gw_up" 2>/dev/null; wait "$gw_up" 2>/dev/null; } || true
 }

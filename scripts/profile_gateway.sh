@@ -20,20 +20,13 @@ py="$(cd "$(dirname "$py")" && pwd)/$(basename "$py")"
 # shellcheck source=scripts/gateway_stack.sh
 . scripts/gateway_stack.sh
 log=bench-logs/gateway-profile.log
-load=
-cleanup() {
-  [[ -z $load ]] || kill "$load" 2>/dev/null || true
-  [[ -z $gw_up ]] || { kill -TERM "$gw_up" 2>/dev/null; wait "$gw_up" 2>/dev/null; } || true
-}
-trap cleanup EXIT
+trap stop_gateway_stack EXIT
 start_gateway_stack "$log" "$(pwd)" || exit 1
 gateway=$(gateway_pid "$gw_up")
-run_gateway_load "$out/load.json" > "$out/load.log" 2>&1 &
-load=$!
-sleep 10  # past the first prefills: the streams are decoding
+start_background_load "$out"
 echo "[profile] perf on gateway pid $gateway for ${SECONDS_SAMPLED:-30} s" >&2
 perf record -q -F "${FREQ:-999}" -g -p "$gateway" -o "$out/perf.data" -- sleep "${SECONDS_SAMPLED:-30}" >&2
-wait "$load"; load=
+wait "$gw_load"; gw_load=
 perf report -i "$out/perf.data" --no-children --sort dso --stdio -g none 2>/dev/null \
     | grep '%' > "$out/by-dso.txt"
 perf report -i "$out/perf.data" --no-children --sort dso,sym --stdio -g none 2>/dev/null \

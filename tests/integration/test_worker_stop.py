@@ -159,7 +159,10 @@ def test_pdserve_up_stopped_while_it_streams_finishes_the_answer_first(model_pat
     worker drains on a running engine, so the answer arrives whole; then everything stops,
     says nothing alarming, and leaves no file behind. (SIGTERM to each worker's process
     group reached its engine, which stopped at once: the answer failed with UNAVAILABLE,
-    "EngineDeadError".)"""
+    "EngineDeadError".) The rest of the answer must fit the gateway's drain grace
+    (gateway.server.DRAIN_GRACE_S, 10 s): seen on an AVX2-only VM, 110 tokens after Ctrl-C
+    did not (UNAVAILABLE "Cancelling all calls" at the grace's end); 50 take about 3 s at its
+    63 ms per token."""
     port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "pdserve.cli", "up", "--port", str(port), "--metrics-port", "0",
@@ -184,7 +187,7 @@ def test_pdserve_up_stopped_while_it_streams_finishes_the_answer_first(model_pat
             stub = generation_pb2_grpc.GenerationStub(channel)
             request = generation_pb2.GenerateRequest(
                 token_ids=list(range(100, 140)),
-                sampling=generation_pb2.SamplingParams(max_tokens=120, ignore_eos=True, temperature=0.0))
+                sampling=generation_pb2.SamplingParams(max_tokens=60, ignore_eos=True, temperature=0.0))
             stopped = None
             for reply in stub.Generate(request, timeout=120):
                 got.extend(reply.token_ids)
@@ -192,7 +195,7 @@ def test_pdserve_up_stopped_while_it_streams_finishes_the_answer_first(model_pat
                     stopped = time.monotonic()
                     stopped_at = len(log)
                     proc.send_signal(signal.SIGINT)
-        assert len(got) == 120, f"{len(got)} of 120 tokens:\n" + "".join(log[-30:])
+        assert len(got) == 60, f"{len(got)} of 60 tokens:\n" + "".join(log[-30:])
         assert proc.wait(STOP_GRACE_S + 15) == 0
         print(f"answer whole; pdserve up stopped {time.monotonic() - stopped:.1f} s after Ctrl-C")
     finally:

@@ -21,6 +21,7 @@ the blocks now rather than at lease expiry.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import time
@@ -53,7 +54,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = "pdserve.v1.Generation"
-DRAIN_GRACE_S = 10.0
 # A stalled remote prefill that no decode worker could take yet is offered again this often.
 STALL_RECHECK_S = 0.1
 # A worker-polling round this late means the gateway itself did not run (see _poll_workers).
@@ -95,11 +95,17 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self._tokenizer = tokenizer  # incremental detokenization, in this process
         self._dispatcher = build_dispatcher(cfg, workers)
         self._num_inflight = 0
+        self.idle = asyncio.Event()  # set while no call is in flight (a stop waits for it)
+        self.idle.set()
         self._releases: set[asyncio.Task] = set()  # referenced until done, so none is collected
 
     @property
     def dispatcher(self) -> Dispatcher:
         return self._dispatcher
+
+    @property
+    def num_inflight(self) -> int:
+        return self._num_inflight
 
     async def Generate(self, request, context) -> AsyncIterator[generation_pb2.GenerateResponse]:
         code = grpc.StatusCode.OK
@@ -122,6 +128,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 f"{self._num_inflight} requests in flight, the limit is {self._cfg.max_inflight}; retry with backoff"
             )
         self._num_inflight += 1
+        self.idle.clear()
         metrics.INFLIGHT.set(self._num_inflight)
         route = Route()
         try:
@@ -130,6 +137,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             context.set_trailing_metadata(route.metadata())
         finally:
             self._num_inflight -= 1
+            if not self._num_inflight:
+                self.idle.set()
             metrics.INFLIGHT.set(self._num_inflight)
 
     async def _run(self, job: Job, time_remaining_s: float | None,
@@ -456,7 +465,16 @@ async def serve(cfg: GatewayConfig) -> None:
     await stop.wait()
     poller.cancel()
     await rpc.set_serving(health, [SERVICE_NAME], False)
-    await server.stop(DRAIN_GRACE_S)
+    logger.info("stopping: no new calls; %d in flight may take up to %.0f s (--drain-grace-s)",
+                generation.num_inflight, cfg.drain_grace_s)
+    stopped = asyncio.create_task(server.stop(cfg.drain_grace_s))  # cancels what is left at the grace's end
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(generation.idle.wait(), cfg.drain_grace_s)
+    cut = generation.num_inflight
+    await stopped
+    if cut:
+        logger.warning("the %.0f s drain grace is over with %d calls in flight: cancelled (their callers get "
+                       "UNAVAILABLE); a longer --drain-grace-s lets such answers finish", cfg.drain_grace_s, cut)
     await workers.close()
     tokenizers.close()
     logger.info("stopped")

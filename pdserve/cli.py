@@ -7,7 +7,8 @@ import os
 import sys
 
 from pdserve import envvars
-from pdserve.config import ENGINE_EXECUTORS, GATEWAY_POLICIES, GatewayConfig, WorkerConfig, per_class
+from pdserve.config import (DRAIN_GRACE_S, ENGINE_EXECUTORS, GATEWAY_POLICIES, STOP_GRACE_S, GatewayConfig,
+                            WorkerConfig, per_class)
 
 
 def _model_arg(p: argparse.ArgumentParser) -> None:
@@ -160,6 +161,7 @@ def cmd_gateway(args) -> int:
         decode_stream=args.decode_stream,
         heartbeat_interval_s=args.heartbeat_interval_s,
         heartbeat_timeout_s=args.heartbeat_timeout_s,
+        drain_grace_s=args.drain_grace_s,
     )
     return main(cfg)
 
@@ -246,6 +248,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "while it idles, so that decode holding one core does not stall the prefill "
                         "engine's whole thread team (kvtransfer.prefill_threads.PrefillThreads); always: one "
                         "thread at every step")
+    p.add_argument("--drain-grace-s", type=float, default=DRAIN_GRACE_S,
+                   help="on SIGTERM or Ctrl-C: how long the answers in flight may take to finish (the "
+                        "gateway's and each worker's grace); a child still running %.0f s after that is "
+                        "killed" % STOP_GRACE_S)
     p.add_argument("--json-logs", action="store_true")
     _policy_args(p)
     p.set_defaults(func=cmd_up)
@@ -296,7 +302,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--advertise-host", default=None,
                        help="host the gateway reaches this worker at (default: --host, or the machine's "
                             "name when --host is 0.0.0.0)")
-        p.add_argument("--drain-grace-s", type=float, default=30.0,
+        p.add_argument("--drain-grace-s", type=float, default=DRAIN_GRACE_S,
                        help="on SIGTERM or `pdserve drain`: how long in-flight requests may take to finish")
         p.add_argument("--worker-id", default=None)
         p.add_argument("--json-logs", action="store_true")
@@ -318,6 +324,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-transport", default="auto", choices=("auto", "shm", "tcp", "nccl", "cuda_ipc"),
                    help="KV transport between the tiers (auto: shared memory on one host, else the network)")
     p.add_argument("--metrics-port", type=int, default=None)
+    p.add_argument("--drain-grace-s", type=float, default=DRAIN_GRACE_S,
+                   help="on SIGTERM or Ctrl-C: how long the calls in flight may take to finish before "
+                        "those still streaming end with UNAVAILABLE")
     p.add_argument("--json-logs", action="store_true")
     _policy_args(p)
     p.set_defaults(func=cmd_gateway)

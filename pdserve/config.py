@@ -9,6 +9,13 @@ ROLES = ("prefill", "decode")
 KV_TRANSPORTS = ("shm", "tcp", "nccl", "cuda_ipc")
 LOAD_FAILURE_POLICIES = ("fail", "recompute")
 ENGINE_EXECUTORS = ("uni", "mp")
+# On SIGTERM, SIGINT or a drain request, the default for how long a server lets the requests
+# in flight finish (--drain-grace-s): a 128-token answer at 64 ms per token (an AVX2-only
+# VM's unloaded TPOT) takes 8 s, and the gateway's fixed 10 s once cut a test's answer.
+DRAIN_GRACE_S = 30.0
+# `pdserve up` kills a child (its whole process group) this long after its drain grace, if
+# it still runs then: time to stop its engine once its requests are done.
+STOP_GRACE_S = 15.0
 
 
 # A decode worker prefills a long prompt (a rescue) in chunks of at least this many tokens
@@ -90,7 +97,7 @@ class WorkerConfig:
     # --host is a wildcard).
     advertise_host: str | None = None
     # On SIGTERM or a drain request: how long in-flight requests may take to finish.
-    drain_grace_s: float = 30.0
+    drain_grace_s: float = DRAIN_GRACE_S
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -229,6 +236,9 @@ class GatewayConfig:
     heartbeat_timeout_s: float = 10.0
     # Attempts at a request whose worker fails before its first token was streamed.
     max_attempts: int = 3
+    # On SIGTERM or SIGINT: how long the calls in flight (queued ones too) may take to finish;
+    # those still streaming then end with UNAVAILABLE.
+    drain_grace_s: float = DRAIN_GRACE_S
 
     def __post_init__(self) -> None:
         if self.policy not in GATEWAY_POLICIES:
@@ -261,6 +271,8 @@ class GatewayConfig:
                 f"{self.heartbeat_interval_s} and {self.heartbeat_timeout_s}")
         if self.max_attempts < 1:
             raise ValueError(f"--max-attempts must be >= 1, got {self.max_attempts}")
+        if self.drain_grace_s < 0:
+            raise ValueError(f"--drain-grace-s must be >= 0, got {self.drain_grace_s}")
         if self.tokenizer_workers < 1:
             raise ValueError(f"--tokenizer-workers must be >= 1, got {self.tokenizer_workers}")
         if self.max_inflight < 1:

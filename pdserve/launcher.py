@@ -27,10 +27,10 @@ import psutil
 
 from kvtransfer import coreshare, prefill_threads
 from pdserve import gpus
+from pdserve.config import DRAIN_GRACE_S, STOP_GRACE_S
 from pdserve.ports import free_port, free_port_block  # noqa: F401 (tests and scripts import them here)
 from pdserve.segments import SegmentTracker
 
-STOP_GRACE_S = 15.0
 # How often the shared-memory segments each child's process tree holds are noted, so that
 # those a killed child leaves in /dev/shm can be removed (pdserve/segments.py).
 RECORD_SEGMENTS_EVERY_S = 10.0
@@ -143,6 +143,8 @@ class Stack:
     children: list[Child]
     gateway_address: str
     core_share_file: str | None = None  # kvtransfer.coreshare's base path, when a yield is set
+    # The children's --drain-grace-s: a child still running STOP_GRACE_S after it is killed.
+    drain_grace_s: float = DRAIN_GRACE_S
 
     def start(self) -> None:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -210,7 +212,7 @@ class Stack:
         # All at once: a worker told a moment after its gateway saw the gateway's port closed.
         for child in self.children:
             child.terminate()
-        deadline = time.monotonic() + STOP_GRACE_S
+        deadline = time.monotonic() + self.drain_grace_s + STOP_GRACE_S
         for child in self.children:
             if child.proc is None:
                 continue
@@ -265,7 +267,7 @@ def build_stack(args) -> Stack:
     common = ["--model", args.model, "--kv-cache-gib", str(args.kv_cache_gib), "--block-size", str(args.block_size),
               "--executor", args.executor,
               "--kv-lease-s", str(args.kv_lease_s), "--kv-timeout-s", str(args.kv_timeout_s),
-              "--gateway", gateway_address]
+              "--drain-grace-s", str(args.drain_grace_s), "--gateway", gateway_address]
     if args.max_model_len:
         common += ["--max-model-len", str(args.max_model_len)]
     if args.json_logs:
@@ -273,7 +275,8 @@ def build_stack(args) -> Stack:
     # Metrics ports: gateway +0, prefill workers +1.., decode workers after them.
     metrics = (lambda i: ["--metrics-port", str(args.metrics_port + i)]) if args.metrics_port else (lambda i: [])
     children = [Child("gateway", [*py, "gateway", "--host", args.host, "--port", str(args.port), "--model", args.model,
-                                  "--kv-transport", args.kv_transport, *metrics(0), *policy_argv(args),
+                                  "--kv-transport", args.kv_transport, "--drain-grace-s", str(args.drain_grace_s),
+                                  *metrics(0), *policy_argv(args),
                                   *(["--json-logs"] if args.json_logs else [])])]
     on_gpus = gpus.assign(gpus.visible_gpus(), args.prefill, args.decode)
     core_share_env = {}  # engines on GPUs share no cores
@@ -304,7 +307,7 @@ def build_stack(args) -> Stack:
                 if role == "prefill" and args.cores == "shared":
                     argv += ["--sched", args.prefill_sched]
             children.append(Child(name, argv, restart=True, env_overrides=env))
-    return Stack(children, gateway_address, core_share_env.get(coreshare.ENV_FILE))
+    return Stack(children, gateway_address, core_share_env.get(coreshare.ENV_FILE), args.drain_grace_s)
 
 
 def core_share_path() -> str:
@@ -317,6 +320,8 @@ def up(args) -> int:
     if args.prefill < 0 or args.decode < 1:
         raise ValueError(f"--decode needs at least one worker and --prefill none or more, got {args.decode} and "
                          f"{args.prefill}")
+    if args.drain_grace_s < 0:
+        raise ValueError(f"--drain-grace-s must be >= 0, got {args.drain_grace_s}")
     stack = build_stack(args)
     stopping = threading.Event()
 

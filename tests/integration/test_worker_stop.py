@@ -22,6 +22,7 @@ import tempfile
 import threading
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -154,21 +155,24 @@ def test_pdserve_up_stopped_by_ctrl_c_during_start_up_leaves_no_temp_files(model
 OWN_WARNING = re.compile(r" (WARNING|ERROR) (pdserve|gateway|kvtransfer|prefill_worker|decode_worker)[.\w]*: ")
 
 
-def test_pdserve_up_stopped_while_it_streams_finishes_the_answer_first(model_path, short_tmp):
-    """Ctrl-C with an answer half streamed: the gateway takes no new call and the decode
-    worker drains on a running engine, so the answer arrives whole; then everything stops,
-    says nothing alarming, and leaves no file behind. (SIGTERM to each worker's process
-    group reached its engine, which stopped at once: the answer failed with UNAVAILABLE,
-    "EngineDeadError".) The rest of the answer must fit the gateway's drain grace
-    (gateway.server.DRAIN_GRACE_S, 10 s): seen on an AVX2-only VM, 110 tokens after Ctrl-C
-    did not (UNAVAILABLE "Cancelling all calls" at the grace's end); 50 take about 3 s at its
-    64 ms per token (vLLM's unloaded TPOT p50 in that session's long compare)."""
+@dataclass
+class Interrupted:
+    """An answer streamed from `pdserve up` with Ctrl-C pressed after its 10th token."""
+    tokens: list[int]
+    error: grpc.RpcError | None  # how the stream ended, if not whole
+    ended_s: float  # the stream's end, after Ctrl-C
+    stopped_s: float  # pdserve up's exit, after Ctrl-C
+    returncode: int
+    log: list[str]  # pdserve up's output from Ctrl-C on
+
+
+def _interrupt_while_streaming(model_path: str, tmp: Path, max_tokens: int, *flags: str) -> Interrupted:
     port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "pdserve.cli", "up", "--port", str(port), "--metrics-port", "0",
-         "--kv-cache-gib", "1", "--model", model_path],
+         "--kv-cache-gib", "1", "--model", model_path, *flags],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
-        env={**os.environ, "PYTHONUNBUFFERED": "1", "TMPDIR": str(short_tmp)},
+        env={**os.environ, "PYTHONUNBUFFERED": "1", "TMPDIR": str(tmp)},
     )
     log: list[str] = []
     ready = threading.Event()
@@ -181,27 +185,69 @@ def test_pdserve_up_stopped_while_it_streams_finishes_the_answer_first(model_pat
 
     threading.Thread(target=pump, daemon=True).start()
     got: list[int] = []
+    error = stopped = None
     try:
         assert ready.wait(STAGE_TIMEOUT_S), "".join(log[-30:])
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
             stub = generation_pb2_grpc.GenerationStub(channel)
             request = generation_pb2.GenerateRequest(
                 token_ids=list(range(100, 140)),
-                sampling=generation_pb2.SamplingParams(max_tokens=60, ignore_eos=True, temperature=0.0))
-            stopped = None
-            for reply in stub.Generate(request, timeout=120):
-                got.extend(reply.token_ids)
-                if stopped is None and len(got) >= 10:
-                    stopped = time.monotonic()
-                    stopped_at = len(log)
-                    proc.send_signal(signal.SIGINT)
-        assert len(got) == 60, f"{len(got)} of 60 tokens:\n" + "".join(log[-30:])
-        assert proc.wait(STOP_GRACE_S + 15) == 0
-        print(f"answer whole; pdserve up stopped {time.monotonic() - stopped:.1f} s after Ctrl-C")
+                sampling=generation_pb2.SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0))
+            try:
+                for reply in stub.Generate(request, timeout=120):
+                    got.extend(reply.token_ids)
+                    if stopped is None and len(got) >= 10:
+                        stopped = time.monotonic()
+                        stopped_at = len(log)
+                        proc.send_signal(signal.SIGINT)
+            except grpc.RpcError as e:
+                error = e
+        assert stopped is not None, f"the stream ended after {len(got)} tokens: {error}"
+        ended = time.monotonic() - stopped
+        code = proc.wait(STOP_GRACE_S + 60)
+        took = time.monotonic() - stopped
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait(30)
-    alarming = [line for line in log[stopped_at:] if OWN_WARNING.search(line)]
+    return Interrupted(got, error, ended, took, code, log[stopped_at:])
+
+
+def test_pdserve_up_stopped_while_it_streams_finishes_the_answer_first(model_path, short_tmp):
+    """Ctrl-C with an answer half streamed: the gateway takes no new call and the decode
+    worker drains on a running engine, so the answer arrives whole; then everything stops,
+    says nothing alarming, and leaves no file behind. (SIGTERM to each worker's process
+    group reached its engine, which stopped at once: the answer failed with UNAVAILABLE,
+    "EngineDeadError".) The rest of the answer must fit the drain grace (--drain-grace-s,
+    30 s): seen on an AVX2-only VM with the gateway's grace fixed at 10 s, 110 tokens after
+    Ctrl-C did not (UNAVAILABLE "Cancelling all calls" at the grace's end); 50 take about 3 s
+    at its 64 ms per token (vLLM's unloaded TPOT p50 in that session's long compare)."""
+    run = _interrupt_while_streaming(model_path, short_tmp, 60)
+    assert run.error is None and len(run.tokens) == 60, f"{len(run.tokens)} of 60 tokens, {run.error}:\n" + "".join(
+        run.log[-30:])
+    assert run.returncode == 0
+    print(f"answer whole; pdserve up stopped {run.stopped_s:.1f} s after Ctrl-C")
+    alarming = [line for line in run.log if OWN_WARNING.search(line)]
     assert alarming == [], "".join(alarming)
-    assert _left_in(short_tmp) == [], "".join(log[-20:])
+    assert _left_in(short_tmp) == [], "".join(run.log[-20:])
+
+
+def test_an_answer_longer_than_the_drain_grace_ends_unavailable_and_the_stack_still_stops_cleanly(
+        model_path, short_tmp):
+    """`pdserve up --drain-grace-s 1`, Ctrl-C after 10 of 2,000 tokens: the gateway cuts
+    the stream with UNAVAILABLE once its grace is over, says how many calls it cut and
+    which flag lets them finish, and the stack still stops on its own (exit 0, nothing
+    killed) and leaves no file behind."""
+    run = _interrupt_while_streaming(model_path, short_tmp, 2000, "--drain-grace-s", "1")
+    assert run.error is not None and run.error.code() == grpc.StatusCode.UNAVAILABLE, (
+        f"{len(run.tokens)} tokens, {run.error}:\n" + "".join(run.log[-30:]))
+    assert 10 <= len(run.tokens) < 2000
+    assert 0.8 <= run.ended_s < 10, f"the stream ended {run.ended_s:.1f} s after Ctrl-C, the grace is 1 s"
+    assert run.returncode == 0 and run.stopped_s < STOP_GRACE_S, (
+        f"exit {run.returncode} {run.stopped_s:.1f} s after Ctrl-C:\n" + "".join(run.log[-30:]))
+    cut = [line for line in run.log if "drain grace is over" in line]
+    assert len(cut) == 1 and "the 1 s drain grace is over with 1 calls in flight: cancelled" in cut[0], "".join(
+        run.log[-30:])
+    print(f"{len(run.tokens)} tokens, UNAVAILABLE {run.ended_s:.1f} s and pdserve up stopped {run.stopped_s:.1f} s "
+          f"after Ctrl-C")
+    assert _left_in(short_tmp) == [], "".join(run.log[-20:])

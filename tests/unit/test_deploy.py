@@ -16,6 +16,7 @@ import yaml
 
 from pdserve import envvars
 from pdserve.cli import build_parser
+from pdserve.config import STOP_GRACE_S
 from tests import dashboard
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -64,6 +65,15 @@ def test_pdserve_services_share_shm_and_the_model_cache(service):
     assert "pdserve-cache:/root/.cache/pdserve" in spec["volumes"]
     assert env(service)["PDSERVE_CACHE_DIR"] == "/root/.cache/pdserve"
     assert env(service)["PDSERVE_HOST"] == "0.0.0.0"
+
+
+@pytest.mark.parametrize("service", PDSERVE)
+def test_docker_waits_for_the_drain_before_it_kills(service):
+    """Docker's own 10 s would SIGKILL an answer that the server's drain grace lets finish."""
+    parser = build_parser()
+    args = envvars.parse_args(parser, [*argv(service), "--model", "/m"], env(service))
+    wait_s = int(SERVICES[service]["stop_grace_period"].removesuffix("s"))
+    assert wait_s >= args.drain_grace_s + STOP_GRACE_S
 
 
 @pytest.mark.parametrize("service", WORKERS)

@@ -6,6 +6,7 @@ import argparse
 import os
 import signal
 import sys
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -44,6 +45,39 @@ def test_up_starts_the_gateway_then_workers_that_register_with_it():
     assert [c.argv[c.argv.index("--sched") + 1] for c in stack.children[1:3]] == ["idle", "idle"]
     assert "--sched" not in stack.children[3].argv
     assert "--prefill" not in stack.children[0].argv  # no static worker list: they register
+
+
+def test_every_child_drains_for_the_stacks_grace():
+    for argv, grace in (([], "30.0"), (["--drain-grace-s", "90"], "90.0")):
+        stack = build_stack(up_args(argv=argv))
+        assert [c.argv[c.argv.index("--drain-grace-s") + 1] for c in stack.children] == [grace] * 3
+        assert stack.drain_grace_s == float(grace)
+
+
+def test_a_negative_drain_grace_is_refused_before_anything_starts(monkeypatch):
+    monkeypatch.setattr(launcher, "build_stack", lambda args: pytest.fail("started a stack"))
+    with pytest.raises(ValueError, match="--drain-grace-s must be >= 0, got -1.0"):
+        launcher.up(up_args(argv=["--drain-grace-s", "-1"]))
+
+
+def test_a_child_that_ignores_sigterm_is_killed_after_its_drain_grace_and_the_stop_grace(monkeypatch):
+    monkeypatch.setattr(launcher, "STOP_GRACE_S", 0.5)
+    stubborn = ("import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                "print('READY 127.0.0.1:1', flush=True); time.sleep(60)")
+    child = Child("decode", [sys.executable, "-c", stubborn], restart=True)
+    stack = Stack([child], "127.0.0.1:1", drain_grace_s=1.5)
+    child.start({**os.environ})
+    try:
+        assert child.ready.wait(30)
+        started = time.monotonic()
+        stack.stop()
+        took = time.monotonic() - started
+        assert child.proc.returncode == -signal.SIGKILL
+        assert 2.0 <= took < 10.0, f"killed after {took:.1f} s, not after 1.5 + 0.5 s"
+    finally:
+        if child.proc.poll() is None:
+            child.proc.kill()
+            child.proc.wait()
 
 
 def test_workers_compute_in_their_engine_core_process_unless_told_otherwise():
@@ -142,7 +176,7 @@ def test_up_stops_its_stack_when_stderr_is_gone(monkeypatch):
     monkeypatch.setattr(launcher, "build_stack", lambda args: FakeStack())
     monkeypatch.setattr(launcher.signal, "signal", lambda *a: None)
     monkeypatch.setattr(sys, "stderr", BrokenStderr())
-    args = SimpleNamespace(prefill=1, decode=1, ready_timeout_s=5.0)
+    args = SimpleNamespace(prefill=1, decode=1, ready_timeout_s=5.0, drain_grace_s=30.0)
     with pytest.raises(BrokenPipeError):  # reporting the failure itself could not be done
         launcher.up(args)
     assert events == ["start", "stop"]

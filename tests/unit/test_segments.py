@@ -113,12 +113,12 @@ def test_a_killed_childs_segments_are_removed_before_it_restarts(monkeypatch):
 def test_stopping_a_child_that_ignores_sigterm_leaves_no_segment(monkeypatch):
     monkeypatch.setattr(launcher, "STOP_GRACE_S", 1.0)
     child = Child("prefill", [sys.executable, "-c", ENGINE, "--ignore-term"], restart=True)
-    stack = Stack([child], "127.0.0.1:1")
+    stack = Stack([child], "127.0.0.1:1", drain_grace_s=0.0)
     child.start({**os.environ})
     try:
         assert child.ready.wait(30)
         (name,) = {n for n in segments.held_by([child.proc.pid]) if n.startswith("psm_")}
-        stack.stop()  # notes its segments, SIGTERM, then SIGKILL to the group after the grace
+        stack.stop()  # notes its segments, SIGTERM, then SIGKILL to the group after the graces
         assert child.proc.returncode == -signal.SIGKILL
         assert not os.path.exists(f"/dev/shm/{name}")
     finally:

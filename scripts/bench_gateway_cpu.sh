@@ -7,6 +7,7 @@
 #   defaults:                    1c07105     bench-results/gateway-cpu
 #   scripts/bench_gateway_cpu.sh --intervals [OUT_DIR]
 #   scripts/bench_gateway_cpu.sh --decode-stream [OUT_DIR]
+#   scripts/bench_gateway_cpu.sh --cores [OUT_DIR]
 #
 # The "before" revision runs from a temporary git worktree with this checkout's venv; the
 # benchmark client is always this checkout's. Writes OUT_DIR/{before,after}.json.
@@ -17,6 +18,9 @@
 # --decode-stream: this checkout twice, the gateway taking each request's tokens over a
 # Decode call of its own (`--decode-stream per-request`) and over the decode worker's one
 # shared DecodeStream call (`shared`, the default); OUT_DIR/{per-request,shared}.json.
+# --cores: this checkout twice, both engines on every core (`--cores shared`, the default)
+# and half the cores each (`--cores split`); OUT_DIR/{split,shared}.json: at 64 streams the
+# decode engine is the bottleneck, so the output tok/s and TPOT mean lines compare the two.
 # Each run also reports the decode worker's front-end process (gRPC and vLLM's AsyncLLM,
 # not its engine's processes) per token.
 # Environment: STREAMS (64), REQUESTS (128) and LOAD (the lengths: "--input-len-range 16:32
@@ -29,6 +33,7 @@ cd "$(dirname "$0")/.."
 mode=revisions
 if [[ ${1:-} == --intervals ]]; then mode=intervals; shift; out=${1:-bench-results/gateway-cpu}
 elif [[ ${1:-} == --decode-stream ]]; then mode=decode-stream; shift; out=${1:-bench-results/gateway-cpu}
+elif [[ ${1:-} == --cores ]]; then mode=cores; shift; out=${1:-bench-results/gateway-cpu}
 else before_rev=${1:-1c07105}; out=${2:-bench-results/gateway-cpu}; fi
 # Absolute, without resolving links: a venv's python is a link to the system one, and only
 # through the venv's path does it find the venv's packages.
@@ -92,6 +97,10 @@ if [[ $mode == decode-stream ]]; then
   measure_per-request() { measure "$1" "$root" --decode-stream per-request; }
   measure_shared() { measure "$1" "$root" --decode-stream shared; }
   pair per-request shared
+elif [[ $mode == cores ]]; then
+  measure_split() { measure "$1" "$root" --cores split; }
+  measure_shared() { measure "$1" "$root" --cores shared; }
+  pair split shared
 elif [[ $mode == intervals ]]; then
   measure_interval1() { measure "$1" "$root"; }
   measure_interval4() { measure "$1" "$root" --stream-intervals 4,4,8; }

@@ -195,7 +195,12 @@ def test_decode_slack_is_the_tightest_running_request_margin():
     ]
     assert decode_slack_s(running, 0.040, now_s=10.0) == pytest.approx(0.75)
     assert decode_slack_s(running[1:], 0.040, now_s=10.0) == math.inf
-    assert decode_slack_s([RunningRequest(0.01, 10, 5, 0.0)], 0.04, now_s=10.0) == 0.0
+    # Past its margin (0.09 s allowed, 10 s spent): a sure miss, not protected.
+    late = RunningRequest(0.01, 10, 5, 0.0)
+    assert decode_slack_s([late], 0.04, now_s=10.0) == math.inf
+    assert decode_slack_s([late, running[0]], 0.040, now_s=10.0) == pytest.approx(0.75)
+    # Exactly at its margin: still met, nothing to spare.
+    assert decode_slack_s([RunningRequest(0.050, 3, 1, first_token_s=9.9)], 0.0, now_s=10.0) == pytest.approx(0.0)
 
 
 def test_join_slack_is_what_a_lower_class_joining_leaves_a_higher_one():

@@ -143,7 +143,7 @@ class Stack:
     children: list[Child]
     gateway_address: str
     core_share_file: str | None = None  # kvtransfer.coreshare's base path, when a yield is set
-    # The children's --drain-grace-s; a child still running STOP_GRACE_S after it is killed.
+    # The children's --drain-grace-s; a child still running STOP_GRACE_S after it ends is killed.
     drain_grace_s: float = DRAIN_GRACE_S
 
     def start(self) -> None:

@@ -97,6 +97,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self._num_inflight = 0
         self.idle = asyncio.Event()  # set while no call is in flight (a stop waits for it)
         self.idle.set()
+        self._stopping = False  # set by a stop: new calls are refused, those in flight go on
         self._releases: set[asyncio.Task] = set()  # referenced until done, so none is collected
 
     @property
@@ -106,6 +107,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     @property
     def num_inflight(self) -> int:
         return self._num_inflight
+
+    def stop_taking_calls(self) -> None:
+        self._stopping = True
 
     async def Generate(self, request, context) -> AsyncIterator[generation_pb2.GenerateResponse]:
         code = grpc.StatusCode.OK
@@ -122,6 +126,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
     @rpc.rpc_errors
     async def _generate(self, request, context):
+        if self._stopping:
+            raise rpc.Unavailable("this gateway is stopping (its calls in flight finish first); "
+                                  "send the call to another gateway or retry once it is back")
         job = parse_request(request)
         if self._num_inflight >= self._cfg.max_inflight:
             raise rpc.ResourceExhausted(
@@ -365,11 +372,19 @@ class Serving:
         self._workers = workers
         self._was_ready: bool | None = None
         self._had_tier: bool | None = None
+        self._stopping = False
+
+    async def stop(self) -> None:
+        """NOT_SERVING from now on, whatever the workers: the gateway is stopping."""
+        self._stopping = True
+        await rpc.set_serving(self._health, [SERVICE_NAME], False)
 
     async def refresh(self) -> None:
         ready = self._workers.ready()
         for role in ("prefill", "decode"):
             metrics.WORKERS_READY.labels(role).set(len(self._workers.routable(role)))
+        if self._stopping:
+            return
         if ready != self._was_ready:
             await rpc.set_serving(self._health, [SERVICE_NAME], ready)
             logger.info("gateway %s", "SERVING" if ready else "NOT_SERVING: waiting for a decode worker")
@@ -463,15 +478,18 @@ async def serve(cfg: GatewayConfig) -> None:
     print(f"READY {cfg.host}:{port}", flush=True)
     stop = rpc.stop_event_on_signals()
     await stop.wait()
-    poller.cancel()
-    await rpc.set_serving(health, [SERVICE_NAME], False)
-    logger.info("stopping: no new calls; %d in flight may take up to %.0f s (--drain-grace-s)",
+    # The server keeps its port through the drain: the workers' heartbeats go on (without
+    # them a worker would leave rotation after --heartbeat-timeout-s and the queued calls
+    # would have nowhere to go), and a new call is answered UNAVAILABLE at once.
+    generation.stop_taking_calls()
+    await serving.stop()
+    logger.info("stopping: no new calls; %d in flight (queued ones too) may take up to %.0f s (--drain-grace-s)",
                 generation.num_inflight, cfg.drain_grace_s)
-    stopped = asyncio.create_task(server.stop(cfg.drain_grace_s))  # cancels what is left at the grace's end
     with contextlib.suppress(TimeoutError):
         await asyncio.wait_for(generation.idle.wait(), cfg.drain_grace_s)
     cut = generation.num_inflight
-    await stopped
+    await server.stop(0)  # cancels what is left
+    poller.cancel()
     if cut:
         logger.warning("the %.0f s drain grace is over with %d calls in flight: cancelled (their callers get "
                        "UNAVAILABLE); a longer --drain-grace-s lets such answers finish", cfg.drain_grace_s, cut)

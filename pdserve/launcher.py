@@ -2,9 +2,10 @@
 supervised: a worker (or the gateway) that dies is restarted with backoff and rejoins; the
 stack stops only when asked (SIGTERM / Ctrl-C).
 
-Stopping is graceful: SIGTERM to each child process alone, so that the gateway stops taking
-calls and finishes those in flight while each worker drains its requests on an engine that
-still runs, then stops it (SIGTERM to a worker's whole process group reached its engine's
+Stopping is graceful: SIGTERM to each child process alone, the gateway first, so that it
+stops taking calls and finishes those in flight (queued ones too) on workers that still
+serve; then to the workers, each of which drains its requests on an engine that still
+runs, then stops it (SIGTERM to a worker's whole process group reached its engine's
 processes too, which stopped at once and failed every request in flight with
 EngineDeadError). Each child runs in its own session (process group): after a grace period
 SIGKILL goes to the group and to every descendant that outlived its worker.
@@ -209,20 +210,25 @@ class Stack:
         descendants = [p for child in self.children for p in _descendants(child)]
         for child in self.children:
             child.record_segments(time.monotonic(), force=True)
-        # All at once: a worker told a moment after its gateway saw the gateway's port closed.
-        for child in self.children:
-            child.terminate()
-        deadline = time.monotonic() + self.drain_grace_s + STOP_GRACE_S
-        for child in self.children:
-            if child.proc is None:
-                continue
-            try:
-                child.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
-            # The group may hold the engine-core process even after the worker exited.
-            child.signal(signal.SIGKILL)
-            child.proc.wait()
+        # The gateway first: it finishes its calls in flight, the queued ones too, on workers
+        # that still serve (stopped at the same time, the workers left rotation and a queued
+        # call had nowhere to go until the grace was over). The workers then drain with
+        # nothing, or only what the gateway cut, in flight.
+        gateways = [c for c in self.children if c.name == "gateway"]
+        for group in (gateways, [c for c in self.children if c not in gateways]):
+            for child in group:
+                child.terminate()
+            deadline = time.monotonic() + self.drain_grace_s + STOP_GRACE_S
+            for child in group:
+                if child.proc is None:
+                    continue
+                try:
+                    child.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    pass
+                # The group may hold the engine-core process even after the worker exited.
+                child.signal(signal.SIGKILL)
+                child.proc.wait()
         for proc in descendants:
             try:
                 proc.kill()

@@ -29,6 +29,7 @@ import grpc
 import psutil
 import pytest
 
+from pdserve import prom
 from pdserve.launcher import STOP_GRACE_S, free_port, free_port_block
 from pdserve.tempdirs import METRICS_DIR_PREFIX
 from protos import generation_pb2, generation_pb2_grpc
@@ -251,3 +252,86 @@ def test_an_answer_longer_than_the_drain_grace_ends_unavailable_and_the_stack_st
     print(f"{len(run.tokens)} tokens, UNAVAILABLE {run.ended_s:.1f} s and pdserve up stopped {run.stopped_s:.1f} s "
           f"after Ctrl-C")
     assert _left_in(short_tmp) == [], "".join(run.log[-20:])
+
+
+def test_pdserve_up_stopped_with_calls_queued_at_its_gateway_serves_them_before_its_workers_stop(
+        model_path, short_tmp):
+    """Ctrl-C while a long prompt prefills and two more wait in the gateway's queue (one
+    prompt at a time on the prefill worker, none prefilled on the decode worker): all three
+    answers arrive whole, because the launcher tells the workers to stop only once the
+    gateway has finished its calls. A call made during the drain is refused at once with
+    UNAVAILABLE saying the gateway is stopping. (The workers stopped at the same time as
+    the gateway: they left rotation, and the queued calls had nowhere to go until the
+    drain grace cut them.)"""
+    port, metrics_port = free_port(), free_port_block(3)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pdserve.cli", "up", "--port", str(port), "--metrics-port", str(metrics_port),
+         "--kv-cache-gib", "1", "--model", model_path, "--drain-grace-s", "20", "--prefill-queue-tokens", "1",
+         "--local-prefill-max-tokens", "0", "--rescue-prefill-max-tokens", "0"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", "TMPDIR": str(short_tmp)},
+    )
+    log: list[str] = []
+    ready = threading.Event()
+
+    def pump() -> None:
+        for line in proc.stdout:
+            log.append(line)
+            if line.startswith("pdserve ready"):
+                ready.set()
+
+    threading.Thread(target=pump, daemon=True).start()
+    answers: dict[str, list[int]] = {}
+    errors: dict[str, grpc.RpcError] = {}
+    try:
+        assert ready.wait(STAGE_TIMEOUT_S), "".join(log[-30:])
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = generation_pb2_grpc.GenerationStub(channel)
+
+            def generate(name: str, prompt_len: int) -> None:
+                request = generation_pb2.GenerateRequest(
+                    token_ids=[100 + i % 1000 for i in range(prompt_len)],
+                    sampling=generation_pb2.SamplingParams(max_tokens=16, ignore_eos=True, temperature=0.0))
+                answers[name] = []
+                try:
+                    for reply in stub.Generate(request, timeout=120):
+                        answers[name].extend(reply.token_ids)
+                except grpc.RpcError as e:
+                    errors[name] = e
+
+            calls = [threading.Thread(target=generate, args=("long", 3500))]
+            calls[0].start()
+            time.sleep(0.05)
+            for name in ("queued-1", "queued-2"):
+                calls.append(threading.Thread(target=generate, args=(name, 400)))
+                calls[-1].start()
+            deadline = time.monotonic() + 30
+            while prom.body_sum(prom.scrape(metrics_port), "pdserve_queue_length") < 1:
+                assert time.monotonic() < deadline and not answers.get("long"), (
+                    f"no call waited in the gateway's queue: {answers}, {errors}")
+                time.sleep(0.02)
+            stopped_at = len(log)
+            stopped = time.monotonic()
+            proc.send_signal(signal.SIGINT)
+            time.sleep(0.5)
+            late = threading.Thread(target=generate, args=("late", 40))
+            late.start()
+            for call in [*calls, late]:
+                call.join(120)
+        code = proc.wait(2 * STOP_GRACE_S + 60)
+        took = time.monotonic() - stopped
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+    after = "".join(log[stopped_at:])
+    for name in ("long", "queued-1", "queued-2"):
+        assert name not in errors and len(answers[name]) == 16, f"{name}: {answers}, {errors}\n{after}"
+    assert errors["late"].code() == grpc.StatusCode.UNAVAILABLE, errors["late"]
+    assert "gateway is stopping" in errors["late"].details(), errors["late"].details()
+    assert code == 0 and took < 2 * STOP_GRACE_S, f"exit {code} {took:.1f} s after Ctrl-C:\n{after}"
+    assert "stopping: no new calls; 3 in flight" in after, after
+    alarming = [line for line in log[stopped_at:] if OWN_WARNING.search(line)]
+    assert alarming == [], "".join(alarming)
+    print(f"three answers whole, the late call refused; pdserve up stopped {took:.1f} s after Ctrl-C")
+    assert _left_in(short_tmp) == [], after

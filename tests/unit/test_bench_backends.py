@@ -207,8 +207,9 @@ def test_open_loop_follows_the_schedule_and_honours_the_cap():
     load = LoadConfig(rate_rps=50.0, burstiness=float("inf"), num_requests=5)
     records = asyncio.run(drive(backend, specs(100), load))
     assert [r.request_id for r in records] == ["s0", "s1", "s2", "s3", "s4"]
-    for i, r in enumerate(records):  # constant gaps of 20 ms
-        assert r.send_s == pytest.approx(0.02 * i, abs=0.03)
+    for i, r in enumerate(records):  # constant gaps of 20 ms: none sent early, none far late
+        # (late by 55 ms once in `make test` on a 2-core VM, right after the integration tests)
+        assert 0.02 * i - 0.005 <= r.send_s < 0.02 * i + 0.1, [r.send_s for r in records]
     assert backend.max_in_flight == 5  # open loop: arrivals do not wait for answers
 
     capped = SleepBackend(0.1)

@@ -80,6 +80,43 @@ def test_a_child_that_ignores_sigterm_is_killed_after_its_drain_grace_and_the_st
             child.proc.wait()
 
 
+def test_the_workers_are_told_to_stop_only_once_the_gateway_has_finished(tmp_path):
+    """A stopping stack: SIGTERM to the gateway alone; it takes 1 s to finish its calls
+    (queued ones need workers that still serve), and only once it has exited are the
+    workers told. Each child writes when it got SIGTERM and when it exited."""
+    def script(name: str, drain_s: float) -> str:
+        return (f"import signal, sys, time\n"
+                f"def stop(*_):\n"
+                f"    open({str(tmp_path / name)!r}, 'a').write(f'term {{time.monotonic()}}\\n')\n"
+                f"    time.sleep({drain_s})\n"
+                f"    open({str(tmp_path / name)!r}, 'a').write(f'exit {{time.monotonic()}}\\n')\n"
+                f"    sys.exit(0)\n"
+                f"signal.signal(signal.SIGTERM, stop)\n"
+                f"print('READY 127.0.0.1:1', flush=True)\n"
+                f"time.sleep(60)\n")
+
+    children = [Child("gateway", [sys.executable, "-c", script("gateway", 1.0)]),
+                Child("prefill-0", [sys.executable, "-c", script("prefill-0", 0.0)], restart=True),
+                Child("decode-0", [sys.executable, "-c", script("decode-0", 0.0)], restart=True)]
+    stack = Stack(children, "127.0.0.1:1", drain_grace_s=5.0)
+    stack.start()
+    try:
+        assert all(c.ready.wait(30) for c in children)
+        stack.stop()
+        assert [c.proc.returncode for c in children] == [0, 0, 0]
+        times = {c.name: dict(line.split() for line in (tmp_path / c.name).read_text().splitlines())
+                 for c in children}
+        gateway_exit = float(times["gateway"]["exit"])
+        assert float(times["gateway"]["term"]) + 1.0 <= gateway_exit
+        for worker in ("prefill-0", "decode-0"):
+            assert float(times[worker]["term"]) >= gateway_exit, times
+    finally:
+        for c in children:
+            if c.proc is not None and c.proc.poll() is None:
+                c.proc.kill()
+                c.proc.wait()
+
+
 def test_workers_compute_in_their_engine_core_process_unless_told_otherwise():
     for argv, executor in (([], "uni"), (["--executor", "mp"], "mp")):
         workers = build_stack(up_args(argv=argv)).children[1:]

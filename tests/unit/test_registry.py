@@ -326,6 +326,37 @@ def test_a_heartbeat_that_brings_a_worker_back_sets_health_at_once_and_a_routine
                                        (serving, [["down"], ["ready"]])]
 
 
+def test_a_stopping_gateway_stays_not_serving_while_its_workers_heartbeat_and_register():
+    """The gateway's drain keeps its registry open (the workers that serve its queued calls
+    heartbeat on), yet a heartbeat or a registration must not turn it SERVING again."""
+    from grpc_health.v1 import health_pb2
+
+    from gateway.registry import RegistryServicer
+    from gateway.server import SERVICE_NAME, Serving
+
+    async def scenario():
+        pool, health = WorkerPool(), FakeHealth()
+        serving = Serving(health, pool)
+        registry = RegistryServicer(pool, 1.0, serving.refresh, clock=lambda: 0.0)
+        seen = []
+        try:
+            await registry.Register(worker_pb2.RegisterRequest(info=info("d1"), address="d1:1"), None)
+            seen.append(health.status[SERVICE_NAME])
+            await serving.stop()
+            seen.append(health.status[SERVICE_NAME])
+            await registry.Heartbeat(worker_pb2.HeartbeatRequest(worker_id="d1"), None)
+            await registry.Deregister(worker_pb2.DeregisterRequest(worker_id="d1"), None)
+            await registry.Register(worker_pb2.RegisterRequest(info=info("d2"), address="d2:1"), None)
+            await serving.refresh()
+            seen.append((health.status[SERVICE_NAME], [w.worker_id for w in pool.routable("decode")]))
+        finally:
+            await pool.close()
+        return seen
+
+    serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+    assert asyncio.run(scenario()) == [serving, not_serving, (not_serving, ["d2"])]
+
+
 def test_no_prefill_worker_at_a_stacks_start_or_after_a_drain_is_info_and_losing_the_tier_warns(caplog):
     """A stack's decode worker often registers before its prefill worker: serving without a
     tier then is routine (INFO), and so is the tier draining away (an operator's drain, a

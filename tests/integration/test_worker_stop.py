@@ -167,10 +167,12 @@ class Interrupted:
     log: list[str]  # pdserve up's output from Ctrl-C on
 
 
-def _interrupt_while_streaming(model_path: str, tmp: Path, max_tokens: int, *flags: str) -> Interrupted:
-    port = free_port()
+def _start_up(model_path: str, tmp: Path, port: int, *flags: str,
+              metrics_port: int = 0) -> tuple[subprocess.Popen, list[str], threading.Event]:
+    """`pdserve up` with a 1 GiB KV cache, its output collected in a list, and an event set
+    at its ready line."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "pdserve.cli", "up", "--port", str(port), "--metrics-port", "0",
+        [sys.executable, "-m", "pdserve.cli", "up", "--port", str(port), "--metrics-port", str(metrics_port),
          "--kv-cache-gib", "1", "--model", model_path, *flags],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
         env={**os.environ, "PYTHONUNBUFFERED": "1", "TMPDIR": str(tmp)},
@@ -185,6 +187,12 @@ def _interrupt_while_streaming(model_path: str, tmp: Path, max_tokens: int, *fla
                 ready.set()
 
     threading.Thread(target=pump, daemon=True).start()
+    return proc, log, ready
+
+
+def _interrupt_while_streaming(model_path: str, tmp: Path, max_tokens: int, *flags: str) -> Interrupted:
+    port = free_port()
+    proc, log, ready = _start_up(model_path, tmp, port, *flags)
     got: list[int] = []
     error = stopped = None
     try:
@@ -264,23 +272,9 @@ def test_pdserve_up_stopped_with_calls_queued_at_its_gateway_serves_them_before_
     the gateway: they left rotation, and the queued calls had nowhere to go until the
     drain grace cut them.)"""
     port, metrics_port = free_port(), free_port_block(3)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "pdserve.cli", "up", "--port", str(port), "--metrics-port", str(metrics_port),
-         "--kv-cache-gib", "1", "--model", model_path, "--drain-grace-s", "20", "--prefill-queue-tokens", "1",
-         "--local-prefill-max-tokens", "0", "--rescue-prefill-max-tokens", "0"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
-        env={**os.environ, "PYTHONUNBUFFERED": "1", "TMPDIR": str(short_tmp)},
-    )
-    log: list[str] = []
-    ready = threading.Event()
-
-    def pump() -> None:
-        for line in proc.stdout:
-            log.append(line)
-            if line.startswith("pdserve ready"):
-                ready.set()
-
-    threading.Thread(target=pump, daemon=True).start()
+    proc, log, ready = _start_up(model_path, short_tmp, port, "--drain-grace-s", "20", "--prefill-queue-tokens", "1",
+                                 "--local-prefill-max-tokens", "0", "--rescue-prefill-max-tokens", "0",
+                                 metrics_port=metrics_port)
     answers: dict[str, list[int]] = {}
     errors: dict[str, grpc.RpcError] = {}
     try:

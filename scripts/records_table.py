@@ -2,9 +2,11 @@
 and a count of the late and refused: for a `pdserve bench run` file (its one run) or a
 `pdserve bench compare` file (each system and rate).
 
-    python scripts/records_table.py FILE TTFT_SLO_S TPOT_SLO_S
+    python scripts/records_table.py FILE [TTFT_SLO_S TPOT_SLO_S]
 
-A line: send time, prompt and output lengths, TTFT (s), TPOT (ms), T / P when late on
+Without the two SLOs a compare file is read against its own (`slo.by_class`: in `mixed`
+each class has its own pair). A line: send time, the request's class where the file has
+more than one, prompt and output lengths, TTFT (s), TPOT (ms), T / P when late on
 TTFT / TPOT, where pdserve prefilled it (local, remote, moved; blank for vLLM and for a
 refused request), and the error with its message."""
 
@@ -12,9 +14,11 @@ import json
 import sys
 
 
-def lines(records, ttft_slo_s, tpot_slo_s):
+def lines(records, slos):
+    """``slos``: class name -> (TTFT s, TPOT s); a class not in it, the pair under None."""
     late_t = late_p = late = refused = served = 0
     for r in records:
+        ttft_slo_s, tpot_slo_s = slos.get(r.get("class_name"), slos.get(None))
         chunks = r.get("chunks") or []
         ttft = chunks[0]["time_s"] - r["send_s"] if chunks else None
         n, done = r.get("output_tokens") or 0, r.get("done_s")
@@ -26,26 +30,37 @@ def lines(records, ttft_slo_s, tpot_slo_s):
             served += 1
             flag = ("T" if ttft is not None and ttft > ttft_slo_s else "") + ("P" if tpot and tpot > tpot_slo_s else "")
             late_t, late_p, late = late_t + ("T" in flag), late_p + ("P" in flag), late + bool(flag)
-        print(f"{r['send_s']:7.1f} p={r['prompt_len']:5d} out={r['expected_output_len']:4d} "
+        cls = f"{r.get('class_name', ''):12s}" if len(slos) > 1 else ""
+        print(f"{r['send_s']:7.1f} {cls}p={r['prompt_len']:5d} out={r['expected_output_len']:4d} "
               f"ttft={ttft or 0:6.2f} tpot={(tpot or 0) * 1000:6.1f} {flag:2s} "
               f"{(r.get('route') or {}).get('prefill', ''):6s} {r.get('error') or ''} "
               f"{(r.get('error_message') or '')[:140]}")
     print(f"served {served}: late {late} ({late_t} on TTFT, {late_p} on TPOT); refused {refused}")
 
 
+def file_slos(d) -> dict:
+    by_class = (d.get("slo") or {}).get("by_class")
+    if not by_class:
+        sys.exit("this file states no SLOs (a `pdserve bench run` file, or a compare without vLLM's "
+                 "calibration): give TTFT_SLO_S and TPOT_SLO_S")
+    return {name: (slo["ttft_s"], slo["tpot_s"]) for name, slo in by_class.items()}
+
+
 def main() -> None:
-    path, ttft_slo_s, tpot_slo_s = sys.argv[1], float(sys.argv[2]), float(sys.argv[3])
-    d = json.load(open(path))
+    if len(sys.argv) not in (2, 4):
+        sys.exit(__doc__)
+    d = json.load(open(sys.argv[1]))
+    slos = {None: (float(sys.argv[2]), float(sys.argv[3]))} if len(sys.argv) == 4 else file_slos(d)
     if "runs" in d:
         for run in d["runs"]:
-            lines(run["records"], ttft_slo_s, tpot_slo_s)
+            lines(run["records"], slos)
         return
     for system, runs in d["detail"].items():
         if system == "unloaded":  # the calibration's requests, no rate
             continue
         for run in runs:
             print(f"== {system} at {run['rate_rps']} req/s")
-            lines(run["records"], ttft_slo_s, tpot_slo_s)
+            lines(run["records"], slos)
 
 
 if __name__ == "__main__":

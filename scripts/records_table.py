@@ -18,7 +18,10 @@ def lines(records, slos):
     """``slos``: class name -> (TTFT s, TPOT s); a class not in it, the pair under None."""
     late_t = late_p = late = refused = served = 0
     for r in records:
-        ttft_slo_s, tpot_slo_s = slos.get(r.get("class_name"), slos.get(None))
+        pair = slos.get(r.get("class_name"), slos.get(None))
+        if pair is None:
+            sys.exit(f"the file states no SLOs for class {r.get('class_name')!r}: give TTFT_SLO_S and TPOT_SLO_S")
+        ttft_slo_s, tpot_slo_s = pair
         chunks = r.get("chunks") or []
         ttft = chunks[0]["time_s"] - r["send_s"] if chunks else None
         n, done = r.get("output_tokens") or 0, r.get("done_s")

@@ -133,7 +133,7 @@ def cmd_worker(args) -> int:
 
 
 def cmd_gateway(args) -> int:
-    from gateway.server import main
+    from gateway.serving import main
 
     _resolve_model(args)
     cfg = GatewayConfig(

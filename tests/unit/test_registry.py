@@ -250,7 +250,7 @@ def test_the_gateway_health_follows_registrations_at_once_not_at_the_next_poll_r
     from grpc_health.v1 import health_pb2
 
     from gateway.registry import RegistryServicer
-    from gateway.server import SERVICE_NAME, Serving
+    from gateway.serving import SERVICE_NAME, Serving
 
     async def scenario():
         pool, health = WorkerPool(), FakeHealth()
@@ -290,7 +290,7 @@ def test_a_heartbeat_that_brings_a_worker_back_sets_health_at_once_and_a_routine
     from grpc_health.v1 import health_pb2
 
     from gateway.registry import RegistryServicer
-    from gateway.server import SERVICE_NAME, Serving
+    from gateway.serving import SERVICE_NAME, Serving
 
     async def scenario():
         pool, health = WorkerPool(), FakeHealth()
@@ -332,7 +332,7 @@ def test_a_stopping_gateway_stays_not_serving_while_its_workers_heartbeat_and_re
     from grpc_health.v1 import health_pb2
 
     from gateway.registry import RegistryServicer
-    from gateway.server import SERVICE_NAME, Serving
+    from gateway.serving import SERVICE_NAME, Serving
 
     async def scenario():
         pool, health = WorkerPool(), FakeHealth()
@@ -363,7 +363,7 @@ def test_no_prefill_worker_at_a_stacks_start_or_after_a_drain_is_info_and_losing
     stack stopping: CI saw `pdserve up` stopped by Ctrl-C warn of it). The tier lost to a
     failure (heartbeats missed) is news (WARNING), once."""
     from gateway.registry import RegistryServicer
-    from gateway.server import Serving
+    from gateway.serving import Serving
 
     async def scenario():
         pool = WorkerPool()
@@ -382,10 +382,10 @@ def test_no_prefill_worker_at_a_stacks_start_or_after_a_drain_is_info_and_losing
         finally:
             await pool.close()
 
-    with caplog.at_level(logging.INFO, logger="gateway.server"):
+    with caplog.at_level(logging.INFO, logger="gateway.serving"):
         asyncio.run(scenario())
     said = [(r.levelname, r.getMessage().split(":")[0]) for r in caplog.records
-            if r.name == "gateway.server" and "prefill worker" in r.getMessage()]
+            if r.name == "gateway.serving" and "prefill worker" in r.getMessage()]
     assert said == [("INFO", "no prefill worker in rotation yet"),
                     ("INFO", "a prefill worker is in rotation"),
                     ("INFO", "no prefill worker in rotation (the tier drained)"),

@@ -249,7 +249,8 @@ def _add_search_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--budget-min", type=float, default=38.0,
                    help="whole compare's time budget; a rate that would not fit is skipped")
     g.add_argument("--calibration-requests", type=int, default=8,
-                   help="unloaded requests per class that set the SLOs (sent one at a time)")
+                   help="unloaded requests per class that set the SLOs (sent one at a time, "
+                        "their lengths the class's length quantiles)")
     g.add_argument("--min-duration-s", type=float, default=60.0,
                    help="each rate is measured with --num-requests or as many requests as "
                         "arrive in this many seconds, whichever is more (0: always "

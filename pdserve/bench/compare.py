@@ -12,9 +12,9 @@ a machine that cannot hold all of them).
 
 1. Boot the systems (or use given addresses); warm each up (`BenchConfig.warmup` requests).
 2. The first system only (vLLM unless deselected): the unloaded run, a few requests per
-   class one at a time, gives the SLOs (3x TTFT p50, 1.5x TPOT p50 per class, see
-   `calibration`) and the search's start rate (1 / unloaded mean E2E) and floor (start /
-   factor). Flags override any of them.
+   class one at a time at the class's length quantiles, gives the SLOs (3x TTFT p50,
+   1.5x TPOT p50 per class, see `calibration`) and the search's start rate (1 / unloaded
+   mean E2E) and floor (start / factor). Flags override any of them.
 3. The goodput search (`search.RateSearch`), one per system: each measured rate is
    `num_requests` Poisson arrivals, or as many as arrive in `min_duration_s` when that is
    more (`requests_at`), of the same seeded lengths and schedule, so both systems face
@@ -54,6 +54,7 @@ from pdserve.bench.search import RateSearch, SearchConfig, SearchOutcome, round_
 from pdserve.bench.servers import ServerError, ServerProcess, free_port
 from pdserve.bench.systems import bench_config_for, pdserve_spec, vllm_spec
 from pdserve.bench.variants import BUILTIN_VARIANTS, Variant
+from pdserve.bench.workload import stratified_requests
 
 # The order systems run in: vLLM calibrates; fifo before slo so that pdserve (slo) can be
 # measured at the rate where fifo failed its interactive class. Variants (`Variant`,
@@ -234,13 +235,20 @@ def rate_content_seed(seed: int, rate_rps: float, salt: int = 0) -> int:
 
 
 async def unloaded_run(backend, bench: BenchConfig, num_per_class: int) -> list[RequestRecord]:
+    """Each class alone, ``num_per_class`` requests one at a time, their lengths the class's
+    length quantiles (`workload.stratified_requests`) where it has one range of lengths,
+    else drawn at random."""
     records: list[RequestRecord] = []
     for i, name in enumerate(class_weights(bench.workload)):
-        log(f"unloaded run: {num_per_class} '{name}' requests, one at a time")
         cfg = dataclasses.replace(bench, workload=single_class(bench.workload, name))
+        seed = bench.seed + CALIBRATION_SEED_OFFSET + i
+        requests = stratified_requests(cfg.workload, num_per_class, seed, f"unloaded-{name}-")
+        lengths = ("" if requests is None else
+                   f" at the class's length quantiles (prompts {requests[0].prompt_len}-"
+                   f"{requests[-1].prompt_len} tokens)")
+        log(f"unloaded run: {num_per_class} '{name}' requests{lengths}, one at a time")
         load = LoadConfig(concurrency=1, num_requests=num_per_class, seed=bench.seed)
-        run = await run_load(backend, cfg, load, f"unloaded-{name}-",
-                             bench.seed + CALIBRATION_SEED_OFFSET + i)
+        run = await run_load(backend, cfg, load, f"unloaded-{name}-", seed, requests)
         records.extend(run.records)
     return records
 

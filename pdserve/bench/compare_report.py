@@ -305,6 +305,8 @@ def compare_dict(cfg: CompareConfig, result: CompareResult) -> dict:
         "warmup": bench.warmup, "seed": bench.seed,
         "sampling": dataclasses.asdict(bench.sampling),
         "calibration_requests_per_class": cfg.plan.calibration_requests,
+        "calibration_lengths": "each class's length quantiles (i + 0.5) / n, where it has "
+                               "one range of lengths; else drawn at random",
         "search": None if search is None else {
             **dataclasses.asdict(search), "ceiling_rps": search.ceiling_rps,
             "start_rule": "given" if cfg.plan.start_rps else "1 / unloaded mean E2E p50",

@@ -27,7 +27,7 @@ from pdserve.bench.metrics import (
     summarize_run,
 )
 from pdserve.bench.record import RequestRecord
-from pdserve.bench.workload import WorkloadConfig, build_workload, take
+from pdserve.bench.workload import RequestSpec, WorkloadConfig, build_workload, take
 
 BACKENDS = ("grpc", "openai")
 WARMUP_SEED_OFFSET = 1_000_003  # any constant: keeps warmup prompts apart from measured ones
@@ -114,19 +114,22 @@ async def warm_up(backend: Backend, cfg: BenchConfig) -> None:
 
 
 async def run_load(backend: Backend, cfg: BenchConfig, load: LoadConfig, id_prefix: str,
-                   content_seed: int) -> RunResult:
-    """One measured run of `cfg.workload` under `load` (lengths from `cfg.seed`); the
-    requests carry `cfg.slo`, the objectives they are judged by (a compare's backend is
-    made before its unloaded run sets them: in the interleaved compares of 2026-11-30
-    pdserve's requests carried none, so its admission never acted)."""
+                   content_seed: int, requests: list[RequestSpec] | None = None) -> RunResult:
+    """One measured run of `cfg.workload` under `load` (lengths from `cfg.seed`), or of
+    ``requests`` where given; the requests carry `cfg.slo`, the objectives they are judged
+    by (a compare's backend is made before its unloaded run sets them: in the interleaved
+    compares of 2026-11-30 pdserve's requests carried none, so its admission never acted)."""
     backend.use_slo(cfg.slo)
-    requests = build_workload(cfg.workload, cfg.seed, id_prefix=id_prefix,
-                              content_seed=content_seed)
+    if requests is None:
+        specs = build_workload(cfg.workload, cfg.seed, id_prefix=id_prefix,
+                               content_seed=content_seed)
+    else:
+        specs = iter(requests)
     before = (await asyncio.to_thread(scrape, cfg.gateway_metrics)
               if cfg.gateway_metrics else None)
     progress = Progress(load.num_requests, load.describe())
     meter = MachineMeter()
-    records = await drive(backend, requests, load, progress)
+    records = await drive(backend, specs, load, progress)
     machine = meter.stop()
     progress.close()
     if machine is not None and machine.steal_cores > STEAL_WARNING_CORES:

@@ -154,6 +154,40 @@ def classmix_requests(rng: random.Random, content: random.Random, classes: list[
                           c.priority)
 
 
+def quantile_lengths(lengths: LengthRange, n: int) -> list[int]:
+    """``n`` lengths at the middles of ``n`` equal shares of the range: its quantiles
+    (i + 0.5) / n, in increasing order; their median is the range's median."""
+    span = lengths.high - lengths.low
+    return [lengths.low + round(span * (i + 0.5) / n) for i in range(n)]
+
+
+def stratified_requests(cfg: WorkloadConfig, n: int, seed: int,
+                        id_prefix: str) -> list[RequestSpec] | None:
+    """``n`` requests whose prompt and output lengths are the workload's length quantiles
+    (`quantile_lengths`), outputs paired with prompts in an order ``seed`` shuffles; None
+    for a workload that is not one range of lengths (shared-prefix, sharegpt, several
+    classes), which is drawn at random instead.
+
+    A compare's SLOs are the p50s of its unloaded run. Eight random draws put them
+    wherever the draws fell: with the default seed, long's eight prompts had a median of
+    1,741 tokens against the workload's 1,280, short's 54 against 40, and the offline
+    class's 882 against 1,280, so each TTFT objective stood for other prompts than the
+    workload's."""
+    if cfg.kind == "random":
+        name, priority, input_len, output_len = "default", 0, cfg.input_len, cfg.output_len
+    elif cfg.kind == "classmix" and len(cfg.classes) == 1:
+        (c,) = cfg.classes
+        name, priority, input_len, output_len = c.name, c.priority, c.input_len, c.output_len
+    else:
+        return None
+    rng = random.Random(seed)
+    content = random.Random(f"content-{seed}")
+    outputs = quantile_lengths(output_len, n)
+    rng.shuffle(outputs)
+    return [RequestSpec(f"{id_prefix}{i}", random_token_ids(content, prompt_len), out, name, priority)
+            for i, (prompt_len, out) in enumerate(zip(quantile_lengths(input_len, n), outputs))]
+
+
 def shared_prefix_requests(rng: random.Random, content: random.Random, cfg: WorkloadConfig,
                            id_prefix: str) -> Iterator[RequestSpec]:
     prefixes = [random_token_ids(content, cfg.prefix_len) for _ in range(cfg.num_prefix_groups)]

@@ -403,6 +403,8 @@ def test_run_compare_against_a_fake_pdserve_calibrates_searches_and_sends_slos(
     assert system.search.status.value == "above_ceiling"
     # warmup 1, unloaded 2, then 3 per rate.
     assert len(received) == 1 + 2 + 3 + 3
+    # The unloaded prompts are the 4-8 token range's quartiles 1 and 3, not random draws.
+    assert [len(r.token_ids) for r in received[1:3]] == [5, 7]
     assert result.calibration.slos().default == SLO(10.0, 1.0)
     measured = received[3:]
     assert {(r.slo.ttft_ms, r.slo.tpot_ms) for r in measured} == {(10000, 1000)}

@@ -10,10 +10,13 @@ from pdserve.bench.workload import (
     TOKEN_ID_HIGH,
     TOKEN_ID_LOW,
     LengthRange,
+    RequestClass,
     WorkloadConfig,
     build_workload,
     load_sharegpt_pairs,
     parse_class_mix,
+    quantile_lengths,
+    stratified_requests,
     take,
 )
 
@@ -153,3 +156,40 @@ def test_presets_are_the_issues_workloads():
     assert single_class(short, "default") is short
     with pytest.raises(ValueError, match="want one of short, long, mixed"):
         preset_workload("huge")
+
+
+def test_quantile_lengths_are_the_middles_of_equal_shares_of_the_range():
+    # long's prompts: the median of the eight is the range's, 1,280.
+    assert quantile_lengths(LengthRange(512, 2048), 8) == [608, 800, 992, 1184, 1376, 1568, 1760, 1952]
+    assert statistics.median(quantile_lengths(LengthRange(512, 2048), 8)) == 1280
+    assert quantile_lengths(LengthRange(16, 64), 4) == [22, 34, 46, 58]
+    assert quantile_lengths(LengthRange(3, 3), 3) == [3, 3, 3]
+    assert quantile_lengths(LengthRange(10, 20), 1) == [15]
+
+
+def test_stratified_requests_take_the_quantiles_of_prompts_and_outputs():
+    cfg = WorkloadConfig(input_len=LengthRange(512, 2048), output_len=LengthRange(32, 128))
+    requests = stratified_requests(cfg, 8, seed=5, id_prefix="u-")
+    assert [r.prompt_len for r in requests] == quantile_lengths(cfg.input_len, 8)
+    assert sorted(r.output_len for r in requests) == [38, 50, 62, 74, 86, 98, 110, 122]
+    assert [r.request_id for r in requests[:2]] == ["u-0", "u-1"]
+    assert all(TOKEN_ID_LOW <= t < TOKEN_ID_HIGH for r in requests for t in r.prompt_token_ids)
+    assert {(r.class_name, r.priority) for r in requests} == {("default", 0)}
+    # The seed pairs outputs with prompts and picks the token ids; the lengths stay.
+    assert requests == stratified_requests(cfg, 8, seed=5, id_prefix="u-")
+    other = stratified_requests(cfg, 8, seed=6, id_prefix="u-")
+    assert [r.prompt_token_ids for r in other] != [r.prompt_token_ids for r in requests]
+    assert sorted(r.output_len for r in other) == sorted(r.output_len for r in requests)
+
+
+def test_stratified_requests_of_one_class_carry_it_and_other_workloads_are_drawn():
+    one = WorkloadConfig("classmix", classes=[
+        RequestClass("interactive", 0, 1.0, LengthRange(32, 256), LengthRange(16, 64))])
+    requests = stratified_requests(one, 4, seed=1, id_prefix="u-")
+    assert [r.prompt_len for r in requests] == [60, 116, 172, 228]
+    assert {(r.class_name, r.priority) for r in requests} == {("interactive", 0)}
+    two = WorkloadConfig("classmix", classes=[
+        RequestClass("interactive", 0, 0.5, LengthRange(32, 256), LengthRange(16, 64)),
+        RequestClass("offline", 2, 0.5, LengthRange(512, 2048), LengthRange(32, 128))])
+    assert stratified_requests(two, 4, seed=1, id_prefix="u-") is None
+    assert stratified_requests(WorkloadConfig("shared-prefix"), 4, seed=1, id_prefix="u-") is None

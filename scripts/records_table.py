@@ -59,7 +59,7 @@ def main() -> None:
             lines(run["records"], slos)
         return
     for system, runs in d["detail"].items():
-        if system == "unloaded":  # the calibration's requests, no rate
+        if system in ("unloaded", "unloaded_again"):  # the calibration's requests, no rate
             continue
         for run in runs:
             print(f"== {system} at {run['rate_rps']} req/s")

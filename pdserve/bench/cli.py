@@ -251,6 +251,9 @@ def _add_search_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--calibration-requests", type=int, default=8,
                    help="unloaded requests per class that set the SLOs (sent one at a time, "
                         "their lengths the class's length quantiles)")
+    g.add_argument("--no-recheck", dest="recheck", action="store_false",
+                   help="do not repeat the unloaded run once the searches are over (it says how far "
+                        "the machine's speed moved during the compare; interleaved only)")
     g.add_argument("--min-duration-s", type=float, default=60.0,
                    help="each rate is measured with --num-requests or as many requests as "
                         "arrive in this many seconds, whichever is more (0: always "
@@ -351,7 +354,8 @@ def compare_config(args: argparse.Namespace, model: Path) -> CompareConfig:
         vllm_kv_cache_gib=args.vllm_kv_cache_gib, pdserve_target=args.pdserve_target,
         vllm_url=args.vllm_url, boot_timeout_s=args.boot_timeout_s,
         sequential=args.sequential, freeze_idle=args.idle_systems == "freeze",
-        min_duration_s=args.min_duration_s, variants=variants, fifo_engines=args.fifo_engines)
+        min_duration_s=args.min_duration_s, variants=variants, fifo_engines=args.fifo_engines,
+        recheck=args.recheck)
 
 
 def _write_json(doc: dict, where: str) -> None:

@@ -23,10 +23,14 @@ a machine that cannot hold all of them).
 4. Extra rates: pdserve (policy slo) is also measured where pdserve-fifo's interactive
    attainment first fell below 90%, so the two policies compare at the same rate
    (interleaved: on pdserve's next turn after fifo's miss).
-5. Stop the systems; check nothing is left running.
+5. Interleaved: the unloaded run again on the first system, the same lengths with other
+   token ids (`recheck_on`): how far the machine's speed moved during the searches, the
+   objectives it would have set, and every measured rate judged again by them.
+6. Stop the systems; check nothing is left running.
 
 Time: the whole compare has `budget_s`. Each system gets an equal share of what is left
-after the calibration (sequential: of what is left when it starts); a measurement is
+after the calibration and, interleaved, the time the recheck will take (sequential: of what
+is left when it starts); a measurement is
 started only if its estimated time, (n - 1) / rate plus twice the unloaded E2E for the
 drain (n: the requests at that rate), fits in the system's share. A search cut short still reports a value when it has a
 bracket (with fewer bisections).
@@ -74,6 +78,7 @@ DEFAULT_CALIBRATION_REQUESTS = 8
 # (about 10 of its 18 minutes), which is what bounds the goodput ratio there.
 DEFAULT_BUDGET_S = 38 * 60.0
 CALIBRATION_SEED_OFFSET = 2_000_003  # keeps the unloaded run's prompts apart
+RECHECK_CONTENT_OFFSET = 7_000_001  # and the end-of-run recheck's from the unloaded run's
 
 
 def default_systems(workload_name: str) -> tuple[str, ...]:
@@ -130,6 +135,8 @@ class CompareConfig:
     min_duration_s: float = DEFAULT_MIN_DURATION_S
     # Other pdserves measured beside the default one (pdserve-NAME); `systems` lists them.
     variants: tuple[Variant, ...] = ()
+    # Interleaved: the unloaded run again once the searches are over (`recheck_on`).
+    recheck: bool = True
     # Interleaved: pdserve-fifo's gateway serves from pdserve's workers ("shared",
     # `pdserve.bench.shared_fifo`) or runs a stack of its own ("own").
     fifo_engines: str = "shared"
@@ -209,6 +216,11 @@ class CompareResult:
     mode_reason: str | None = None
     # (system, rate) in the order measured, across systems.
     measured_in_order: list[tuple[str, float]] = field(default_factory=list)
+    # The unloaded run again after the searches (`recheck_on`), on the same system, and
+    # why there is none when there is none.
+    recheck: Calibration | None = None
+    recheck_records: list[RequestRecord] = field(default_factory=list)
+    recheck_note: str | None = None
 
 
 def log(message: str) -> None:
@@ -234,21 +246,26 @@ def rate_content_seed(seed: int, rate_rps: float, salt: int = 0) -> int:
     return seed * 1_000_000_007 + round(rate_rps * 1e6) + salt * 10**15
 
 
-async def unloaded_run(backend, bench: BenchConfig, num_per_class: int) -> list[RequestRecord]:
+async def unloaded_run(backend, bench: BenchConfig, num_per_class: int,
+                       again: bool = False) -> list[RequestRecord]:
     """Each class alone, ``num_per_class`` requests one at a time, their lengths the class's
     length quantiles (`workload.stratified_requests`) where it has one range of lengths,
-    else drawn at random."""
+    else drawn at random. ``again`` (`recheck_on`): the same lengths with other token ids,
+    so that the prefix cache holds none of the first run's prompts."""
     records: list[RequestRecord] = []
+    run_name = "unloaded run again" if again else "unloaded run"
     for i, name in enumerate(class_weights(bench.workload)):
         cfg = dataclasses.replace(bench, workload=single_class(bench.workload, name))
         seed = bench.seed + CALIBRATION_SEED_OFFSET + i
-        requests = stratified_requests(cfg.workload, num_per_class, seed, f"unloaded-{name}-")
+        content_seed = seed + RECHECK_CONTENT_OFFSET if again else seed
+        prefix = f"{'recheck' if again else 'unloaded'}-{name}-"
+        requests = stratified_requests(cfg.workload, num_per_class, seed, prefix, content_seed)
         lengths = ("" if requests is None else
                    f" at the class's length quantiles (prompts {requests[0].prompt_len}-"
                    f"{requests[-1].prompt_len} tokens)")
-        log(f"unloaded run: {num_per_class} '{name}' requests{lengths}, one at a time")
+        log(f"{run_name}: {num_per_class} '{name}' requests{lengths}, one at a time")
         load = LoadConfig(concurrency=1, num_requests=num_per_class, seed=bench.seed)
-        run = await run_load(backend, cfg, load, f"unloaded-{name}-", seed, requests)
+        run = await run_load(backend, cfg, load, prefix, content_seed, requests)
         records.extend(run.records)
     return records
 
@@ -281,6 +298,38 @@ async def calibrate_on(cfg: CompareConfig, system: str, backend, bench: BenchCon
     out.calibration = calibrate(out.unloaded_records, system, given=cfg.bench.slo)
     out.search = cfg.plan.search_config(out.calibration, class_weights(bench.workload))
     log_calibration(out.calibration, out.search)
+
+
+async def recheck_on(cfg: CompareConfig, system: str, backend, bench: BenchConfig,
+                     out: CompareResult) -> None:
+    """The unloaded run again on `system` once the searches are over, with the same
+    lengths and other token ids: how far the machine's speed moved while the systems were
+    measured against objectives set at the start. Seen on one machine on one evening, on
+    the same lengths: vLLM's unloaded long TTFT p50 read 1.420 s at 15:40 and 1.167-1.256 s
+    at 17:00, and two long compares an hour apart read 1.80x and 1.35x under objectives 12%
+    apart. CalibrationError if the run fails."""
+    bench = dataclasses.replace(bench, slo=cfg.bench.slo)  # as the first run's requests
+    out.recheck_records = await unloaded_run(backend, bench, cfg.plan.calibration_requests,
+                                             again=True)
+    out.recheck = calibrate(out.recheck_records, system, given=cfg.bench.slo)
+    assert out.calibration is not None
+    for line in describe_recheck(out.calibration, out.recheck):
+        log(line)
+
+
+def describe_recheck(start: Calibration, end: Calibration) -> list[str]:
+    """One line per class: the end's unloaded p50s as multiples of the start's, and the
+    objectives the end's would have set."""
+    lines = []
+    slos = end.slos()
+    for name, e in end.unloaded.items():
+        s, slo = start.unloaded[name], slos.of(name)
+        lines.append(f"unloaded '{name}' again at the end on {end.source}: TTFT p50 "
+                     f"{e.ttft_p50_s:.3f} s ({e.ttft_p50_s / s.ttft_p50_s:.2f}x the start's "
+                     f"{s.ttft_p50_s:.3f} s), TPOT p50 {e.tpot_p50_s * 1000:.1f} ms "
+                     f"({e.tpot_p50_s / s.tpot_p50_s:.2f}x the start's {s.tpot_p50_s * 1000:.1f} ms)"
+                     f"; its SLOs would be TTFT {slo.ttft_s:.3f} s, TPOT {slo.tpot_s * 1000:.1f} ms")
+    return lines
 
 
 class Budget:
@@ -409,6 +458,9 @@ def run_sequential(cfg: CompareConfig) -> CompareResult:
     """One system after the other (`CompareConfig.sequential`); the default, all booted
     and their rates alternated, is `pdserve.bench.interleave.run_interleaved`."""
     out = CompareResult(mode="sequential")
+    if cfg.recheck:
+        out.recheck_note = (f"not run: one system at a time, {cfg.run_order()[0]} is stopped "
+                            "before the others are measured")
     started = time.monotonic()
     deadline = started + cfg.plan.budget_s
     order = cfg.run_order()

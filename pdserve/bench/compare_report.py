@@ -13,6 +13,8 @@
   objectives under each, and how many only under one of them.
 - `others_idle_cores` per measurement (interleaved): the cores each idle system used while
   it ran; `config.mode` and `config.measured_in_order` say how the systems took turns.
+- `slo.recheck`: the unloaded run again at the end (interleaved), its p50s over the start's,
+  the objectives it would have set, and each system's rates judged again by them.
 - `policy` (when pdserve and pdserve-fifo both ran): the interactive class at the first
   rate where fifo's interactive attainment fell below 90%, under each policy, and
   (`by_rate`) at every rate both measured.
@@ -28,7 +30,8 @@ import os
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
-from pdserve.bench.metrics import DISTSERVE_TARGET, LatencyStats, Objective, Summary
+from pdserve.bench.metrics import (DISTSERVE_TARGET, LatencyStats, Objective, Summary, SweepPoint,
+                                   distserve_goodput, summarize_run)
 from pdserve.bench.presets import INTERACTIVE
 from pdserve.bench.record import RequestRecord
 from pdserve.bench.report import jsonable
@@ -39,6 +42,8 @@ from pdserve.bench.variants import REPO_ROOT, VARIANT_PREFIX, git_commit
 if TYPE_CHECKING:  # compare imports this module; the types are only annotations here
     from pdserve.bench.compare import CompareConfig, CompareResult, SystemResult
 
+# The detail's unloaded runs, at the start and at the end (`detail_dict`).
+UNLOADED_DETAIL = ("unloaded", "unloaded_again")
 AT_RATE_KEYS = ("output_tok_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s")
 
 
@@ -278,9 +283,57 @@ def slo_dict(result: CompareResult) -> dict | None:
             "by_class": {name: dataclasses.asdict(c.slo_of(name)) for name in c.unloaded}}
 
 
+def rejudged_goodput(points: Sequence[SweepPoint], target: float = DISTSERVE_TARGET) -> dict:
+    """Goodput from measured points alone (`distserve_goodput`): a value where a rate that
+    met ``target`` lies below one that missed it, else a bound on the side measured."""
+    ordered = sorted(points, key=lambda p: p.rate_rps)
+    if not ordered:
+        return {"goodput_rps": None, "bound_kind": None, "bound_rps": None}
+    if ordered[0].slo_attainment < target:
+        return {"goodput_rps": None, "bound_kind": "<", "bound_rps": ordered[0].rate_rps}
+    if all(p.slo_attainment >= target for p in ordered):
+        return {"goodput_rps": None, "bound_kind": ">=", "bound_rps": ordered[-1].rate_rps}
+    return {"goodput_rps": distserve_goodput(ordered, target), "bound_kind": None, "bound_rps": None}
+
+
+def recheck_dict(result: CompareResult) -> dict | None:
+    """The unloaded run again at the end (`compare.recheck_on`): its p50s over the start's,
+    the objectives it would have set, and every measured rate judged again by those."""
+    start, end = result.calibration, result.recheck
+    if start is None or end is None:
+        return None if result.recheck_note is None else {"note": result.recheck_note}
+    slos = end.slos()
+    systems = {}
+    for name, system in result.systems.items():
+        points = [SweepPoint(r.load.rate_rps, summarize_run(r.records, slos).slo_attainment)
+                  for r in sorted(system.runs, key=lambda r: r.load.rate_rps)]
+        systems[name] = {"measurements": [dataclasses.asdict(p) for p in points],
+                         "goodput": rejudged_goodput(points)}
+    pd, vl = systems.get("pdserve", {}).get("goodput"), systems.get("vllm", {}).get("goodput")
+    ratio = (pd["goodput_rps"] / vl["goodput_rps"]
+             if pd and vl and pd["goodput_rps"] and vl["goodput_rps"] else None)
+    return {
+        "derived_from": end.source,
+        "lengths": "the unloaded run's, with other token ids",
+        "unloaded_p50": {name: dataclasses.asdict(u) for name, u in end.unloaded.items()},
+        "over_start": {name: {"ttft_p50": u.ttft_p50_s / start.unloaded[name].ttft_p50_s,
+                              "tpot_p50": u.tpot_p50_s / start.unloaded[name].tpot_p50_s,
+                              "e2e_p50": u.e2e_p50_s / start.unloaded[name].e2e_p50_s}
+                       for name, u in end.unloaded.items()},
+        "by_class": {name: dataclasses.asdict(end.slo_of(name)) for name in end.unloaded},
+        "judged_by_these_slos": systems,
+        "goodput_ratio_by_these_slos": ratio,
+        "judged_note": "each measured rate's records judged again by the objectives the end's "
+                       "unloaded run would set; pdserve's gateway admitted and placed them by "
+                       "the start's, so its figures here are not what it would measure under these",
+    }
+
+
 def compare_dict(cfg: CompareConfig, result: CompareResult) -> dict:
     out: dict = {name: system_dict(s) for name, s in result.systems.items()}
     out["slo"] = slo_dict(result)
+    if out["slo"] is not None:
+        out["slo"]["recheck"] = recheck_dict(result)
     c = result.calibration
     for key, pd in ratio_keys(result.systems):
         if pd in out and "vllm" in out:
@@ -307,6 +360,7 @@ def compare_dict(cfg: CompareConfig, result: CompareResult) -> dict:
         "calibration_requests_per_class": cfg.plan.calibration_requests,
         "calibration_lengths": "each class's length quantiles (i + 0.5) / n, where it has "
                                "one range of lengths; else drawn at random",
+        "recheck": cfg.recheck,
         "search": None if search is None else {
             **dataclasses.asdict(search), "ceiling_rps": search.ceiling_rps,
             "start_rule": "given" if cfg.plan.start_rps else "1 / unloaded mean E2E p50",
@@ -325,8 +379,11 @@ def compare_dict(cfg: CompareConfig, result: CompareResult) -> dict:
 
 
 def detail_dict(result: CompareResult) -> dict:
-    """Every request's timeline (`--save-records`): the unloaded run and each rate."""
+    """Every request's timeline (`--save-records`): the unloaded run (and its recheck at
+    the end) and each rate."""
     return {"unloaded": [dataclasses.asdict(r) for r in result.unloaded_records],
+            **({"unloaded_again": [dataclasses.asdict(r) for r in result.recheck_records]}
+               if result.recheck_records else {}),
             **{name: [{"rate_rps": r.load.rate_rps,
                        "records": [dataclasses.asdict(x) for x in r.records]} for r in s.runs]
                for name, s in result.systems.items()}}
@@ -334,9 +391,9 @@ def detail_dict(result: CompareResult) -> dict:
 
 def saved_runs(detail: dict) -> Iterator[tuple[str, float, list[RequestRecord]]]:
     """Each system's measured rates from a `detail_dict` read back (a compare JSON's
-    "detail"): (system, rate, records); the unloaded run has no rate and is left out."""
+    "detail"): (system, rate, records); the unloaded runs have no rate and are left out."""
     for name, runs in detail.items():
-        if name == "unloaded":
+        if name in UNLOADED_DETAIL:
             continue
         for run in runs:
             yield name, run["rate_rps"], [RequestRecord.from_dict(r) for r in run["records"]]
@@ -356,6 +413,7 @@ def format_compare(doc: dict) -> str:
         for name, slo in doc["slo"]["by_class"].items():
             lines.append(f"  {name}: TTFT {_fmt(slo['ttft_s'])} s, TPOT "
                          f"{_fmt(slo['tpot_s'], 1000)} ms")
+        lines.extend(format_recheck(doc["slo"].get("recheck")))
         parts.append("\n".join(lines))
     for name in (n for n, v in doc.items() if isinstance(v, dict) and "measurements" in v):
         system = doc[name]
@@ -415,3 +473,27 @@ def format_compare(doc: dict) -> str:
                          f"{e['fifo_attainment']:.1%} ({e['slo_minus_fifo_points']:+.1f} points)")
         parts.append("\n".join(lines))
     return "\n\n".join(parts)
+
+
+def format_recheck(recheck: dict | None) -> list[str]:
+    if recheck is None:
+        return []
+    if "note" in recheck:
+        return [f"unloaded run again at the end: {recheck['note']}"]
+    lines = [f"unloaded run again at the end on {recheck['derived_from']}:"]
+    for name, over in recheck["over_start"].items():
+        slo = recheck["by_class"][name]
+        lines.append(f"  {name}: TTFT p50 {over['ttft_p50']:.2f}x, TPOT p50 {over['tpot_p50']:.2f}x "
+                     f"the start's; its SLOs: TTFT {_fmt(slo['ttft_s'])} s, TPOT "
+                     f"{_fmt(slo['tpot_s'], 1000)} ms")
+    for name, judged in recheck["judged_by_these_slos"].items():
+        g = judged["goodput"]
+        value = (f"{g['goodput_rps']:.3g} req/s" if g["goodput_rps"] is not None
+                 else "-" if g["bound_kind"] is None else f"{g['bound_kind']} {g['bound_rps']:g} req/s")
+        lines.append(f"  {name} judged by them: " + ", ".join(
+            f"{m['slo_attainment']:.1%} at {m['rate_rps']:g}" for m in judged["measurements"])
+            + f"; goodput {value}")
+    if recheck["goodput_ratio_by_these_slos"] is not None:
+        lines.append(f"  goodput ratio pdserve / vllm judged by them: "
+                     f"{recheck['goodput_ratio_by_these_slos']:.3g} (pdserve admitted by the start's)")
+    return lines

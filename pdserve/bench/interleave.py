@@ -12,7 +12,9 @@ on by the time the others take). pdserve measures pdserve-fifo's policy rate on 
 turn after fifo's miss (with time from the others' unspent shares when its own has too
 little: `borrow`), and its search reuses that measurement if it asks for the same rate.
 The CPU the idle systems used during each measurement is kept with it
-(`SystemResult.others_idle_cores`: zero when frozen).
+(`SystemResult.others_idle_cores`: zero when frozen). Once every search is over, the first
+system runs its unloaded run again (`recheck`), in time kept out of the shares, so the JSON
+says how far the machine moved between the objectives' run and the end.
 
 pdserve-fifo is, by default (`--fifo-engines shared`), a second gateway over pdserve's
 workers (`pdserve.bench.shared_fifo`): it boots after pdserve, and pdserve's stack is not
@@ -32,7 +34,7 @@ from pdserve.bench.calibration import CalibrationError
 from pdserve.bench import shared_fifo
 from pdserve.bench.compare import (Budget, CompareConfig, CompareResult, SystemResult,
                                    calibrate_on, describe_outcome, extra_rates, log, measure,
-                                   run_sequential)
+                                   recheck_on, run_sequential)
 from pdserve.bench.presets import class_weights
 from pdserve.bench.runner import BenchConfig, RunResult, make_backend, warm_up
 from pdserve.bench.search import RateSearch, loans_for
@@ -43,6 +45,10 @@ from pdserve.bench.systems import bench_config_for, pdserve_spec, shared_fifo_sp
 # After a frozen system is thawed, time for its timers to run (pdserve's gateway re-reads
 # its workers' heartbeats, every second) before its readiness is checked and it is measured.
 THAW_SETTLE_S = 3.0
+
+# The unloaded run again at the end may start this long after the compare's deadline (of
+# the budget's 2 minutes kept for a measurement that runs over and the last shutdown).
+RECHECK_OVERRUN_S = 60.0
 
 # An idle system using more than this (cores, averaged over another's measurement) is
 # logged: that measurement did not have the machine to itself.
@@ -243,6 +249,7 @@ async def measure_interleaved(cfg: CompareConfig,
         lend_engines(lanes, out)
         first = lanes[0]
         await take_the_machine(first, lanes)
+        calibrating = time.monotonic()
         try:
             await calibrate_on(cfg, first.name, first.backend, first.bench, out)
         except CalibrationError as e:
@@ -252,14 +259,37 @@ async def measure_interleaved(cfg: CompareConfig,
                 lane.result.error = f"no SLOs: the unloaded run on {first.name} failed"
             return
         assert out.calibration is not None and out.search is not None
+        # The recheck's time is kept out of the shares: it takes what the unloaded run took.
+        recheck_s = time.monotonic() - calibrating + THAW_SETTLE_S if cfg.recheck else 0.0
         weights = class_weights(cfg.bench.workload)
-        share_s = (deadline - time.monotonic()) / len(lanes)
+        share_s = (deadline - recheck_s - time.monotonic()) / len(lanes)
         for lane in lanes:
             lane.bench = dataclasses.replace(lane.bench, slo=out.calibration.slos())
             lane.search = RateSearch(out.search)
             lane.budget = Budget(time.monotonic() + share_s, cfg.bench.num_requests or 0,
                                  out.calibration.mean_e2e_s(weights), cfg.min_duration_s)
         await alternate(lanes, out)
+        if cfg.recheck:
+            await recheck(cfg, first, lanes, out, deadline + RECHECK_OVERRUN_S - recheck_s)
+
+
+async def recheck(cfg: CompareConfig, first: Lane, lanes: list[Lane], out: CompareResult,
+                  latest_s: float) -> None:
+    """The unloaded run again on the system that calibrated (`compare.recheck_on`), unless
+    it is past ``latest_s`` (its searches ran over their shares) or that system failed."""
+    if first.result.error is not None:
+        out.recheck_note = f"not run: {first.name} failed ({first.result.error})"
+    elif time.monotonic() > latest_s:
+        out.recheck_note = "not run: the searches left no time for it"
+    if out.recheck_note is not None:
+        log(f"unloaded run again at the end: {out.recheck_note}")
+        return
+    await take_the_machine(first, lanes)
+    try:
+        await recheck_on(cfg, first.name, first.backend, first.bench, out)
+    except (CalibrationError, OSError) as e:
+        out.recheck_note = f"failed: {e}"
+        log(f"unloaded run again at the end {out.recheck_note}")
 
 
 def lend_engines(lanes: list[Lane], out: CompareResult) -> None:

@@ -161,10 +161,11 @@ def quantile_lengths(lengths: LengthRange, n: int) -> list[int]:
     return [lengths.low + round(span * (i + 0.5) / n) for i in range(n)]
 
 
-def stratified_requests(cfg: WorkloadConfig, n: int, seed: int,
-                        id_prefix: str) -> list[RequestSpec] | None:
+def stratified_requests(cfg: WorkloadConfig, n: int, seed: int, id_prefix: str,
+                        content_seed: int | None = None) -> list[RequestSpec] | None:
     """``n`` requests whose prompt and output lengths are the workload's length quantiles
-    (`quantile_lengths`), outputs paired with prompts in an order ``seed`` shuffles; None
+    (`quantile_lengths`), outputs paired with prompts in an order ``seed`` shuffles, token
+    ids from ``content_seed`` (default ``seed``); None
     for a workload that is not one range of lengths (shared-prefix, sharegpt, several
     classes), which is drawn at random instead.
 
@@ -181,7 +182,7 @@ def stratified_requests(cfg: WorkloadConfig, n: int, seed: int,
     else:
         return None
     rng = random.Random(seed)
-    content = random.Random(f"content-{seed}")
+    content = random.Random(f"content-{seed if content_seed is None else content_seed}")
     outputs = quantile_lengths(output_len, n)
     rng.shuffle(outputs)
     return [RequestSpec(f"{id_prefix}{i}", random_token_ids(content, prompt_len), out, name, priority)

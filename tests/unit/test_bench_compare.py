@@ -214,7 +214,8 @@ def test_both_drivers_measure_a_rate_with_the_requests_its_minimum_duration_asks
     result = (run_interleaved if driver == "interleaved" else run_sequential)(cfg)
     (run,) = result.systems["pdserve"].runs
     assert (run.load.rate_rps, run.load.num_requests, run.summary.num_requests) == (2.0, 5, 5)
-    assert len(received) == 1 + 2 + 5  # warmup, unloaded, 2.0 req/s for 2.5 s
+    # warmup, unloaded, 2.0 req/s for 2.5 s (and interleaved, the unloaded run again)
+    assert len(received) == 1 + 2 + 5 + (2 if driver == "interleaved" else 0)
 
 
 def test_every_system_gets_the_same_prompts_at_a_rate():
@@ -401,12 +402,12 @@ def test_run_compare_against_a_fake_pdserve_calibrates_searches_and_sends_slos(
         pytest.approx(start / 2, rel=0.01)
     assert [r.load.rate_rps for r in system.runs] == [start, pytest.approx(2 * start, rel=0.01)]
     assert system.search.status.value == "above_ceiling"
-    # warmup 1, unloaded 2, then 3 per rate.
-    assert len(received) == 1 + 2 + 3 + 3
+    # warmup 1, unloaded 2, then 3 per rate (and interleaved, the unloaded run again).
+    assert len(received) == 1 + 2 + 3 + 3 + (2 if driver == "interleaved" else 0)
     # The unloaded prompts are the 4-8 token range's quartiles 1 and 3, not random draws.
     assert [len(r.token_ids) for r in received[1:3]] == [5, 7]
     assert result.calibration.slos().default == SLO(10.0, 1.0)
-    measured = received[3:]
+    measured = received[3:9]
     assert {(r.slo.ttft_ms, r.slo.tpot_ms) for r in measured} == {(10000, 1000)}
     # Given SLOs are known before the unloaded run, so its requests carry them too.
     assert {(r.slo.ttft_ms, r.slo.tpot_ms) for r in received[:3]} == {(10000, 1000)}
@@ -428,11 +429,64 @@ def test_measured_requests_carry_the_slos_the_unloaded_run_set(tmp_path, fake_pd
     result = (run_interleaved if driver == "interleaved" else run_sequential)(cfg)
     slo = result.calibration.slos().default
     assert slo.ttft_s is not None and slo.tpot_s is not None
-    measured = received[3:]  # after the warm-up and the two unloaded requests
+    again = 2 if driver == "interleaved" else 0  # the unloaded run again, at the end
+    measured = received[3:len(received) - again]  # after the warm-up and the two unloaded requests
     assert len(measured) == 3 * len(result.systems["pdserve"].runs) > 0
     assert {(r.slo.ttft_ms, r.slo.tpot_ms) for r in measured} == \
         {(max(1, round(slo.ttft_s * 1000)), max(1, round(slo.tpot_s * 1000)))}
     assert not any(r.HasField("slo") for r in received[:3])  # none known yet
+    # The recheck's requests carry what the first unloaded run's did: none here.
+    assert not any(r.HasField("slo") for r in received[len(received) - again:])
+
+
+def test_the_interleaved_compare_runs_the_unloaded_run_again_at_the_end(tmp_path, fake_pdserve):
+    """Once the searches are over, the unloaded run again on the same lengths with other
+    token ids (none in the prefix cache); the JSON gives its p50s over the start's and the
+    measured rates judged by the objectives it would set."""
+    from pdserve.bench.interleave import run_interleaved
+
+    target, received = fake_pdserve
+    cfg = fake_compare_config(tmp_path, target)
+    result = run_interleaved(cfg)
+    assert result.recheck is not None and result.recheck_note is None
+    first, again = received[1:3], received[-2:]
+    assert [len(r.token_ids) for r in again] == [len(r.token_ids) for r in first] == [5, 7]
+    assert [r.sampling.max_tokens for r in again] == [r.sampling.max_tokens for r in first]
+    assert all(list(a.token_ids) != list(f.token_ids) for a, f in zip(again, first))
+    assert [r.request_id for r in result.recheck_records] == ["recheck-default-0", "recheck-default-1"]
+    doc = compare_dict(cfg, result)
+    recheck = doc["slo"]["recheck"]
+    end = result.recheck.unloaded["default"]
+    assert recheck["over_start"]["default"]["ttft_p50"] == pytest.approx(
+        end.ttft_p50_s / result.calibration.unloaded["default"].ttft_p50_s)
+    judged = recheck["judged_by_these_slos"]["pdserve"]
+    assert [m["rate_rps"] for m in judged["measurements"]] == sorted(
+        r.load.rate_rps for r in result.systems["pdserve"].runs)
+    assert doc["config"]["recheck"] is True
+    assert [r["request_id"] for r in detail_dict(result)["unloaded_again"]] == \
+        ["recheck-default-0", "recheck-default-1"]
+    assert "unloaded run again at the end on pdserve:" in format_compare(doc)
+
+
+@pytest.mark.parametrize("driver", ["interleaved", "sequential"])
+def test_no_recheck_where_it_is_turned_off_or_the_first_system_is_stopped(tmp_path, fake_pdserve, driver):
+    from pdserve.bench.compare import run_sequential
+    from pdserve.bench.interleave import run_interleaved
+
+    target, received = fake_pdserve
+    cfg = fake_compare_config(tmp_path, target)
+    if driver == "interleaved":
+        cfg = dataclasses.replace(cfg, recheck=False)
+    result = (run_interleaved if driver == "interleaved" else run_sequential)(cfg)
+    assert result.recheck is None and not result.recheck_records
+    assert len(received) == 1 + 2 + 3 * len(result.systems["pdserve"].runs)
+    recheck = compare_dict(cfg, result)["slo"]["recheck"]
+    if driver == "interleaved":
+        assert recheck is None
+    else:
+        assert recheck == {"note": "not run: one system at a time, pdserve is stopped before the "
+                                   "others are measured"}
+        assert "unloaded run again at the end: not run" in format_compare(compare_dict(cfg, result))
 
 
 def test_the_measure_log_counts_where_pdserve_says_it_prefilled():
@@ -443,3 +497,38 @@ def test_the_measure_log_counts_where_pdserve_says_it_prefilled():
                record(2, {"prefill": "local"}), record(3, {}), record(4, {"prefill": "moved"})]
     assert describe_routes(records) == ", prefill local 2 / moved 1 / remote 1"
     assert describe_routes([record(0, {}), record(1, {})]) == ""  # vLLM says nothing
+
+
+def test_the_recheck_gives_its_p50s_over_the_starts_and_judges_every_rate_by_its_slos(tmp_path):
+    """The end's unloaded TTFT p50 half the start's halves the TTFT objective (0.9 s to
+    0.45 s here): requests at 0.5 s then miss, and goodput judged again moves with it."""
+    from pdserve.bench.compare_report import format_recheck, recheck_dict, rejudged_goodput
+    from pdserve.bench.metrics import SweepPoint
+
+    cfg = SearchConfig(start_rps=1.0, floor_rps=0.5, factor=2.0, bisections=0, max_up_steps=1)
+    vllm = searched("vllm", [run_at(1.0, MET), run_at(2.0, HALF)], cfg)
+    pdserve = searched("pdserve", [run_at(1.0, [0.4] * 10), run_at(2.0, [0.4] * 9 + [3.0])], cfg)
+    result = CompareResult(systems={"vllm": vllm, "pdserve": pdserve},
+                           calibration=Calibration("vllm", {"default": Unloaded(8, 0.3, 0.04, 2.0)}),
+                           recheck=Calibration("vllm", {"default": Unloaded(8, 0.15, 0.05, 1.5)}))
+    r = recheck_dict(result)
+    assert r["over_start"]["default"] == pytest.approx({"ttft_p50": 0.5, "tpot_p50": 1.25, "e2e_p50": 0.75})
+    assert r["by_class"]["default"] == pytest.approx({"ttft_s": 0.45, "tpot_s": 0.075})
+    # vLLM's 0.5 s first tokens miss 0.45 s: below its lowest rate. pdserve's 0.4 s meet it.
+    assert r["judged_by_these_slos"]["vllm"] == {
+        "measurements": [{"rate_rps": 1.0, "slo_attainment": 0.0}, {"rate_rps": 2.0, "slo_attainment": 0.0}],
+        "goodput": {"goodput_rps": None, "bound_kind": "<", "bound_rps": 1.0}}
+    assert r["judged_by_these_slos"]["pdserve"]["goodput"] == {
+        "goodput_rps": None, "bound_kind": ">=", "bound_rps": 2.0}
+    assert r["goodput_ratio_by_these_slos"] is None  # no value on both sides
+    assert rejudged_goodput([SweepPoint(1.0, 1.0), SweepPoint(2.0, 0.8)]) == {
+        "goodput_rps": pytest.approx(1.5), "bound_kind": None, "bound_rps": None}
+    assert rejudged_goodput([]) == {"goodput_rps": None, "bound_kind": None, "bound_rps": None}
+    table = "\n".join(format_recheck(r))
+    assert "  default: TTFT p50 0.50x, TPOT p50 1.25x the start's; its SLOs: TTFT 0.45 s, TPOT 75 ms" in table
+    assert "  vllm judged by them: 0.0% at 1, 0.0% at 2; goodput < 1 req/s" in table
+
+
+def test_saved_runs_leave_out_both_unloaded_runs():
+    detail = {"unloaded": [], "unloaded_again": [], "vllm": [{"rate_rps": 1.0, "records": []}]}
+    assert [(name, rate) for name, rate, _ in saved_runs(detail)] == [("vllm", 1.0)]

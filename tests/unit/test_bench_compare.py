@@ -189,6 +189,19 @@ def test_budget_estimates_a_rate_from_its_arrivals_and_drain():
     assert not budget.fits(0.4)  # 100 + 10 s
 
 
+def test_with_the_loads_seed_a_rate_costs_its_schedules_last_arrival():
+    """The schedule is seeded, the same for every system: its last arrival, not the mean.
+    Long's 40 arrivals at 0.062 req/s on the default seed span 765 s, not 629 s."""
+    from pdserve.bench.arrivals import arrival_offsets_s
+
+    budget = Budget(time.monotonic() + 1000.0, num_requests=40, unloaded_e2e_s=5.0, seed=0)
+    assert budget.cost_s(0.062) == pytest.approx(arrival_offsets_s(0.062, 1.0, 0, 40)[-1] + 10.0)
+    assert budget.cost_s(0.062) == pytest.approx(775.4, abs=0.1)
+    assert Budget(time.monotonic() + 1000.0, 40, 5.0).cost_s(0.062) == pytest.approx(39 / 0.062 + 10.0)
+    bursty = Budget(time.monotonic() + 1000.0, 40, 5.0, burstiness=0.5, seed=0)
+    assert bursty.cost_s(0.062) == pytest.approx(arrival_offsets_s(0.062, 0.5, 0, 40)[-1] + 10.0)
+
+
 def test_a_rate_is_measured_for_at_least_its_minimum_duration():
     assert requests_at(40, 0.5, 60.0) == 40  # 40 requests span 80 s already
     assert requests_at(40, 5.16, 60.0) == 310  # 309.6 arrive in 60 s

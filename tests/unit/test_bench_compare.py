@@ -545,3 +545,25 @@ def test_the_recheck_gives_its_p50s_over_the_starts_and_judges_every_rate_by_its
 def test_saved_runs_leave_out_both_unloaded_runs():
     detail = {"unloaded": [], "unloaded_again": [], "vllm": [{"rate_rps": 1.0, "records": []}]}
     assert [(name, rate) for name, rate, _ in saved_runs(detail)] == [("vllm", 1.0)]
+
+
+def test_the_recheck_judges_each_class_by_its_own_objective():
+    """Mixed: the end's interactive TTFT p50 twice the start's doubles that class's
+    objective alone; offline's stays, and each record is judged by its class's."""
+    from pdserve.bench.compare_report import recheck_dict
+
+    start = Calibration("vllm", {"interactive": Unloaded(8, 0.3, 0.04, 1.0),
+                                 "offline": Unloaded(8, 3.0, 0.04, 6.0)})
+    end = Calibration("vllm", {"interactive": Unloaded(8, 0.6, 0.04, 1.3),
+                               "offline": Unloaded(8, 3.0, 0.04, 6.0)})
+    # 10 interactive first tokens at 1.5 s (miss 0.9 s, meet 1.8 s) and 2 offline at 2.0 s.
+    runs = [run_at(1.0, [1.5] * 10, cls="interactive", offline=2)]
+    result = CompareResult(systems={"pdserve": SystemResult("pdserve", runs=runs)},
+                           calibration=start, recheck=end)
+    r = recheck_dict(result)
+    assert r["over_start"]["interactive"]["ttft_p50"] == pytest.approx(2.0)
+    assert r["over_start"]["offline"]["ttft_p50"] == pytest.approx(1.0)
+    assert r["by_class"]["interactive"]["ttft_s"] == pytest.approx(1.8)
+    assert r["by_class"]["offline"]["ttft_s"] == pytest.approx(9.0)
+    assert r["judged_by_these_slos"]["pdserve"]["measurements"] == [{"rate_rps": 1.0, "slo_attainment": 1.0}]
+    assert start.slos().of("interactive").met_by(runs[0].records[0]) is False

@@ -279,9 +279,9 @@ async def recheck(cfg: CompareConfig, first: Lane, lanes: list[Lane], out: Compa
                   latest_s: float) -> None:
     """The unloaded run again on the system that calibrated (`compare.recheck_on`), unless
     it is past ``latest_s`` or that system failed. Its time is what the searches leave,
-    and up to RECHECK_OVERRUN_S past the deadline: seen in a long compare with it kept out
-    of the shares, vLLM's floor rate missed fitting in its share by 2 s, so vLLM's goodput
-    was a bound where a value was due."""
+    and up to RECHECK_OVERRUN_S past the deadline: a search's next rate comes first, as it
+    decides whether a goodput is a value or a bound (in the first long compare that kept
+    the recheck's time out of the shares, vLLM's floor rate missed its share by 2 s)."""
     if first.result.error is not None:
         out.recheck_note = f"not run: {first.name} failed ({first.result.error})"
     elif time.monotonic() > latest_s:

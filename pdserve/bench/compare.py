@@ -53,6 +53,7 @@ from pdserve.bench.compare_report import policy_rate
 from pdserve.bench.loadgen import LoadConfig
 from pdserve.bench.metrics import SLO
 from pdserve.bench.presets import class_weights, single_class
+from pdserve.bench.recheck import describe_recheck
 from pdserve.bench.record import RequestRecord
 from pdserve.bench.runner import BenchConfig, RunResult, make_backend, run_load, warm_up
 from pdserve.bench.search import RateSearch, SearchConfig, SearchOutcome, round_rate
@@ -316,21 +317,6 @@ async def recheck_on(cfg: CompareConfig, system: str, backend, bench: BenchConfi
     assert out.calibration is not None
     for line in describe_recheck(out.calibration, out.recheck):
         log(line)
-
-
-def describe_recheck(start: Calibration, end: Calibration) -> list[str]:
-    """One line per class: the end's unloaded p50s as multiples of the start's, and the
-    objectives the end's would have set."""
-    lines = []
-    slos = end.slos()
-    for name, e in end.unloaded.items():
-        s, slo = start.unloaded[name], slos.of(name)
-        lines.append(f"unloaded '{name}' again at the end on {end.source}: TTFT p50 "
-                     f"{e.ttft_p50_s:.3f} s ({e.ttft_p50_s / s.ttft_p50_s:.2f}x the start's "
-                     f"{s.ttft_p50_s:.3f} s), TPOT p50 {e.tpot_p50_s * 1000:.1f} ms "
-                     f"({e.tpot_p50_s / s.tpot_p50_s:.2f}x the start's {s.tpot_p50_s * 1000:.1f} ms)"
-                     f"; its SLOs would be TTFT {slo.ttft_s:.3f} s, TPOT {slo.tpot_s * 1000:.1f} ms")
-    return lines
 
 
 class Budget:

@@ -1,6 +1,8 @@
 """Two splits of a compare JSON's records (`--save-records`), per system and rate: the
-misses by cause against each class's objectives (the JSON's `slo.by_class`), and TPOT by
-how many other requests of the run were in flight while each one decoded.
+misses by cause against each class's objectives (the JSON's `slo.by_class`), TPOT by
+how many other requests of the run were in flight while each one decoded, and (pdserve)
+each TPOT miss with the prompts prefilled on a decode worker (local or moved) that reached
+their first token while it decoded.
 
     .venv/bin/python scripts/records_split.py FILE.json
 """
@@ -43,6 +45,21 @@ def tpot_by_overlap(records) -> list[tuple[tuple[int, int], list[float]]]:
     return [((lo, hi), [t for o, t in rows if lo <= o < hi]) for lo, hi in OVERLAP_BUCKETS]
 
 
+def decode_prefills_beside_tpot_misses(records, by_class) -> list[tuple[object, list[object]]]:
+    """Each served request late on TPOT, with the others prefilled on a decode worker
+    (`route["prefill"]` local or moved) whose first token came between its own and its end."""
+    served = [r for r in records if r.ok and r.tpot_s]
+    rows = []
+    for r in served:
+        if r.tpot_s <= by_class[r.class_name]["tpot_s"]:
+            continue
+        start, end = r.send_s + r.ttft_s, r.done_s
+        beside = [o for o in served if o is not r and o.route.get("prefill") in ("local", "moved")
+                  and start < o.send_s + o.ttft_s <= end]
+        rows.append((r, beside))
+    return rows
+
+
 def main(path: str) -> None:
     doc = json.load(open(path))
     by_class = doc["slo"]["by_class"]
@@ -53,6 +70,13 @@ def main(path: str) -> None:
             if tpots:
                 print(f"  others in flight {lo}-{hi}: n={len(tpots)} TPOT mean {statistics.mean(tpots):.1f} ms, "
                       f"p90 {sorted(tpots)[int(0.9 * len(tpots))]:.1f} ms")
+        for r, beside in decode_prefills_beside_tpot_misses(records, by_class):
+            if r.route:  # pdserve says where each prompt was prefilled; vLLM does not
+                print(f"  TPOT miss {r.request_id} ({r.route.get('prefill')}, {r.prompt_len} tokens): "
+                      f"{r.tpot_s * 1000:.0f} ms, decoding {r.send_s + r.ttft_s:.1f}-{r.done_s:.1f} s; prefilled on "
+                      "a decode worker meanwhile: " + (", ".join(
+                          f"{o.request_id} ({o.route['prefill']}, {o.prompt_len} tokens, first token "
+                          f"{o.send_s + o.ttft_s:.1f} s)" for o in beside) or "none"))
 
 
 if __name__ == "__main__":

@@ -25,10 +25,11 @@ import re
 import statistics
 import subprocess
 import sys
-import threading
 import time
 import uuid
 from dataclasses import asdict, dataclass
+
+from pdserve.bench.servers import start_quiet_thread
 
 TRANSPORTS = ("shm", "tcp", "nccl")
 
@@ -57,7 +58,7 @@ class _Worker:
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
             env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True,
         )
-        threading.Thread(target=self._pump, daemon=True).start()
+        start_quiet_thread(self._pump)
 
     def _pump(self) -> None:
         for line in self.proc.stdout:

@@ -26,6 +26,26 @@ from pdserve.ports import free_port  # noqa: F401 (the harness and its scripts i
 from pdserve.segments import SegmentTracker
 
 
+# The signals that stop a bench command (Ctrl-C, and SIGTERM through `cli.stop_on_sigterm`).
+STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
+
+
+def start_quiet_thread(target, *args: object) -> threading.Thread:
+    """A daemon thread that never takes SIGINT or SIGTERM, so that the kernel hands them to
+    the main thread, the only one where Python runs their handlers. Taken by a helper thread
+    blocked in a read, the handler waits for the main thread's next bytecode, which a main
+    thread asleep in epoll does not run: `pdserve bench` sent SIGTERM while a server's
+    output pump took it stayed up until its sleep ended (600 s in the test of it). The mask
+    is set before the thread starts, so no signal finds it unmasked."""
+    thread = threading.Thread(target=target, args=args, daemon=True)
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        thread.start()  # a new thread inherits its creator's mask
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+    return thread
+
+
 class ServerError(RuntimeError):
     """The server under test did not start or answer; the message says what it printed."""
 
@@ -138,8 +158,7 @@ class ServerProcess:
             self.spec.argv, env=env, cwd=self.spec.cwd, stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
             start_new_session=True)
-        self._pump_thread = threading.Thread(target=self._pump, daemon=True)
-        self._pump_thread.start()
+        self._pump_thread = start_quiet_thread(self._pump)
 
     def _pump(self) -> None:
         assert self._proc is not None and self._proc.stdout is not None

@@ -155,7 +155,12 @@ class Dispatcher:
             seat = self._reserve(ticket, placement, now)
             metrics.QUEUE_WAIT.labels(ticket.priority.label).observe(now - ticket.arrival_s)
             metrics.PLACEMENTS.labels(placement.where.value).inc()
-            self._count_rescue(ticket, placement)
+            if self._count_rescue(ticket, placement) and self._workers.routable("prefill"):
+                logger.info("request %s: its %d-token prompt is prefilled on decode worker %s (predicted %s, "
+                            "%.2f s after it came), the prefill tier too slow for its objective",
+                            ticket.request_id, ticket.num_prompt_tokens, placement.worker,
+                            "nothing" if placement.predicted_ttft_s is None else f"{placement.predicted_ttft_s:.2f} s",
+                            now - ticket.arrival_s)
             self._waiting.pop(ticket).set_result(Grant(placement, seat))
         self._refuse_predicted_late(now)
         self._observe_queue()
@@ -220,9 +225,12 @@ class Dispatcher:
     def remote_ended(self, ticket: Ticket) -> None:
         self._remote.pop(ticket, None)
 
-    def _count_rescue(self, ticket: Ticket, placement: Placement) -> None:
+    def _count_rescue(self, ticket: Ticket, placement: Placement) -> bool:
+        """Counts a prompt over the local limit placed on a decode worker; returns whether it was one."""
         if placement.where is Where.LOCAL and ticket.num_prompt_tokens > self._placement.local_prefill_max_tokens:
             metrics.RESCUED_PREFILLS.inc()
+            return True
+        return False
 
     def _hopeless(self, ticket: Ticket, placement: Placement, now: float) -> bool:
         """A queued request whose first token can no longer come within its objective is

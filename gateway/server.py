@@ -266,10 +266,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 if local is not None:
                     moved = True
                     logger.info("request %s: prefill worker %s did not answer in %.2f s (predicted %s%s); "
-                                "prefilling on decode worker %s", job.request_id, worker.address, waited_s,
-                                _seconds(grant.placement.predicted_ttft_s),
+                                "prefilling on decode worker %s (predicted %s)", job.request_id, worker.address,
+                                waited_s, _seconds(grant.placement.predicted_ttft_s),
                                 ", offered ahead of a newer prompt's rescue" if offered else "",
-                                local.placement.worker)
+                                local.placement.worker, _seconds(local.placement.predicted_ttft_s))
                     return local
                 if offered:
                     asked.clear()

@@ -51,11 +51,8 @@ class Forecaster:
         ttft = predict_ttft_s(queued_ahead + in_flight, ticket.num_prompt_tokens, sum(rates) if rates else None)
         decode = self._workers.decode_loads(now)
         kv_tokens = ticket.num_prompt_tokens + ticket.max_tokens
-        # An idle decode worker beside a busy tier takes it only when the tier would miss (`place`).
-        budget = None if ticket.ttft_slo_s is None else ticket.arrival_s + ticket.ttft_slo_s - now
-        beside_busy_tier = ttft is None or budget is None or ttft > budget
-        if ttft is not None and (rescue := rescue_long(ticket.num_prompt_tokens, kv_tokens, decode, self._placement,
-                                                       self.rescue_rate(now), beside_busy_tier)) is not None:
+        if ttft is not None and (rescue := rescue_long(ticket.num_prompt_tokens, kv_tokens, decode,
+                                                       self._placement, self.rescue_rate(now))) is not None:
             # A decode worker would take it within its slack if the tier cannot start it in time.
             if rescue.predicted_ttft_s is not None:
                 ttft = min(ttft, rescue.predicted_ttft_s)

@@ -96,9 +96,6 @@ class DecodeLoad:
     local_ttft_fit: tuple[float, float] | None = None
     # Most tokens of one prompt's prefill per engine step while others run (0: no cap).
     chunk_tokens: int = 0
-    # A prefill worker that shares this worker's cores (a CPU engine on the same host) has
-    # prompts in progress: while this one idles, those have the cores (`rescue_long`).
-    tier_busy_beside: bool = False
 
     def local_ttft_s(self, num_prompt_tokens: int, fitted_only: bool = False) -> float | None:
         """When a prompt sent here now gets its first token: once the engine has computed
@@ -148,8 +145,7 @@ class Placement:
 
 def place(num_prompt_tokens: int, kv_tokens: int, prefill: list[PrefillLoad], decode: list[DecodeLoad],
           cfg: PlacementConfig, remote_open: bool = True, ttft_budget_s: float | None = None,
-          rescue_rate: float | None = None, tier_starved: bool = False,
-          beside_busy_tier: bool | None = None) -> Placement | None:
+          rescue_rate: float | None = None, tier_starved: bool = False) -> Placement | None:
     """Where to prefill a prompt now; None: nowhere has room, wait.
 
     ``kv_tokens`` is what the request holds on a decode worker (prompt + max_tokens).
@@ -168,10 +164,6 @@ def place(num_prompt_tokens: int, kv_tokens: int, prefill: list[PrefillLoad], de
     after `PlacementConfig.stall_unknown_s` anyway (13 and 14 of the 15 and 14 long prompts
     sent beside another request in the twenty-second session's two long A/B runs), its
     wait on the tier added to its first token and the tier's work on it thrown away.
-
-    ``beside_busy_tier``: whether a rescue may take an idle decode worker that shares its
-    cores with a busy prefill worker (`rescue_long`); None: only when waiting for the tier
-    (its queue full or not, at its measured rate) would miss the objective too.
     """
     remote = _best_remote(num_prompt_tokens, prefill, cfg) if remote_open else None
     local = _best_local(num_prompt_tokens, kv_tokens, decode, cfg)
@@ -182,10 +174,7 @@ def place(num_prompt_tokens: int, kv_tokens: int, prefill: list[PrefillLoad], de
                 rescue = _best_local(num_prompt_tokens, kv_tokens, decode, cfg, within_slack=False)
         elif (remote is None or (remote.predicted_ttft_s is None and tier_starved)
               or (remote.predicted_ttft_s is not None and remote.predicted_ttft_s > ttft_budget_s)):
-            if beside_busy_tier is None:
-                wait_s = _tier_wait_s(num_prompt_tokens, prefill)
-                beside_busy_tier = wait_s is None or wait_s > ttft_budget_s
-            rescue = rescue_long(num_prompt_tokens, kv_tokens, decode, cfg, rescue_rate, beside_busy_tier)
+            rescue = rescue_long(num_prompt_tokens, kv_tokens, decode, cfg, rescue_rate)
         if rescue is not None and rescue.predicted_ttft_s is not None and rescue.predicted_ttft_s <= ttft_budget_s:
             return rescue
     if local is None or remote is None:
@@ -214,35 +203,18 @@ def place_without_tier(num_prompt_tokens: int, kv_tokens: int, decode: list[Deco
 
 
 def rescue_long(num_prompt_tokens: int, kv_tokens: int, decode: list[DecodeLoad],
-                cfg: PlacementConfig, rescue_rate: float | None = None,
-                beside_busy_tier: bool = False) -> Placement | None:
+                cfg: PlacementConfig, rescue_rate: float | None = None) -> Placement | None:
     """The decode worker that would prefill a prompt longer than the local limit (up to the
     rescue limit) soonest, idle or within its running requests' slack; None: none can.
 
     A decode worker that has prefilled nothing itself lately (no short prompts come, as in
     a workload of long ones only) has no rate to judge a rescue by; ``rescue_rate`` (the
     dispatcher passes the prefill tier's rate alone: the same model, with the cores to
-    itself as the decode engine at normal priority has them) stands in for it.
-
-    An idle decode worker whose cores a busy prefill worker shares (`DecodeLoad.
-    tier_busy_beside`) adds no cores: the tier runs at full speed there, and a prompt
-    prefilled beside it takes the cores from the prompt in progress (the tier runs at idle
-    priority), whose offer to move first (`Dispatcher._offer_rescue_to_older`) throws the
-    tier's work on it away. Such a worker is passed over unless ``beside_busy_tier``: a new
-    prompt that waiting for the tier would make miss its objective too (`place`; it then
-    goes ahead of the tier's prompt), or one already past its objective (a tier that does
-    not answer must not hold it for ever). Seen in the long benchmark on a
-    2-core machine (forty-first session, 0.062 req/s), three times: a prompt rescued on the
-    idle decode worker 0.2-6.0 s after an older one of 1,167-1,658 tokens had the tier to
-    itself; the older one moved there too, and its first token came after 9.2-19.6 s (one
-    late: objective 19.1 s), the newer one's after 12.3-14.9 s. The tier alone prefilled a
-    1,559-token prompt of that run in 7.8 s."""
+    itself as the decode engine at normal priority has them) stands in for it."""
     if num_prompt_tokens <= cfg.local_prefill_max_tokens:
         return None
     if rescue_rate:
         decode = [d if d.local_tokens_per_s else replace(d, local_tokens_per_s=rescue_rate) for d in decode]
-    if not beside_busy_tier:
-        decode = [d for d in decode if not (d.idle and d.tier_busy_beside)]
     return _best_local(num_prompt_tokens, kv_tokens, decode, cfg, max_tokens=cfg.rescue_prefill_max_tokens)
 
 
@@ -299,22 +271,12 @@ def move_stalled(num_prompt_tokens: int, kv_tokens: int, decode: list[DecodeLoad
     2.78 req/s right after a frozen turn): 42- and 32-token prompts sent to the tier while
     decode had no slack reached their first tokens after 13.2 and 13.4 s (objective 0.19 s)."""
     placement = place(num_prompt_tokens, kv_tokens, [], decode, cfg, remote_open=False, ttft_budget_s=ttft_budget_s,
-                      rescue_rate=rescue_rate, beside_busy_tier=False)
+                      rescue_rate=rescue_rate)
     if placement is not None or ttft_budget_s is None or ttft_budget_s > 0:
         return placement
     if num_prompt_tokens <= cfg.local_prefill_max_tokens:
         return _best_local(num_prompt_tokens, kv_tokens, decode, cfg, within_slack=False)
-    if not late_rescue:
-        return None
-    return rescue_long(num_prompt_tokens, kv_tokens, decode, cfg, rescue_rate, beside_busy_tier=True)
-
-
-def _tier_wait_s(num_prompt_tokens: int, prefill: list[PrefillLoad]) -> float | None:
-    """When the prefill tier would answer the prompt, its queue budget aside: behind the
-    tokens each worker holds, at its measured rate; None: no rate measured."""
-    etas = [(w.queued_tokens + max(num_prompt_tokens - w.matched_tokens, 1)) / w.tokens_per_s
-            for w in prefill if w.tokens_per_s]
-    return min(etas, default=None)
+    return rescue_long(num_prompt_tokens, kv_tokens, decode, cfg, rescue_rate) if late_rescue else None
 
 
 def _best_remote(num_prompt_tokens: int, prefill: list[PrefillLoad], cfg: PlacementConfig) -> Placement | None:

@@ -63,10 +63,6 @@ class Seat:
 # gateway NOT_SERVING for each of those moments with no worker gone.
 HEALTH_CHECKS_UNANSWERED_DOWN = 3
 
-# A prefill worker whose prompts in progress have run this many times what they take at its
-# rate alone is overdue: not making the progress that would keep a long prompt from an idle
-# decode worker beside it (`Worker.prefill_overdue`; placement's stall_factor by default).
-OVERDUE_FACTOR = 2.0
 STUBS = {"prefill": worker_pb2_grpc.PrefillWorkerStub, "decode": worker_pb2_grpc.DecodeWorkerStub}
 
 
@@ -148,15 +144,6 @@ class Worker:
         if rate is None and contended is False:
             rate = meter.alone_tokens_per_s(now_s, self.queued_tokens, fallback_rate)
         return PrefillLoad(self.address, self.queued_tokens, rate, matched_tokens)
-
-    def prefill_overdue(self, now_s: float) -> bool:
-        """Its prompts in progress have run past `OVERDUE_FACTOR` times what they take at its
-        rate alone (however old; none measured: not overdue): its engine stopped, hung or
-        starved. Seen in CI, a prefill engine stopped with SIGSTOP held a 600-token prompt
-        that a decode worker beside it, idle, would otherwise not take before its objective."""
-        rate = self.prefill_meter.alone_tokens_per_s(now_s)
-        return bool(rate and self.queued_tokens
-                    and self.prefill_meter.working_s(now_s) > OVERDUE_FACTOR * self.queued_tokens / rate)
 
     def predict_tpot_s(self, num_running: int, now_s: float) -> float | None:
         """Time per token with this many requests running: the step estimate, scaled by how
@@ -329,16 +316,8 @@ class WorkerPool:
         on the others with such requests' slack (what they keep with it beside them) bounding
         the stall of its prefill there (`placement.join_slack_s`)."""
         loads = []
-        # Hosts where a CPU prefill engine (draining ones too) is at work on prompts in
-        # progress, not overdue: it shares the cores of a decode engine there
-        # (`placement.rescue_long`).
-        busy_hosts = {w.info.host_id for w in self.tier("prefill")
-                      if w.num_prefills and w.healthy and w.info is not None and w.info.kv_device != "cuda"
-                      and not w.prefill_overdue(now_s)}
         for w in self.routable("decode"):
             load = w.decode_load(now_s)
-            if w.info is not None and w.info.kv_device != "cuda" and w.info.host_id in busy_hosts:
-                load = replace(load, tier_busy_beside=True)
             if joining is not None:
                 keep = w.join_slack_s(*joining, now_s)
                 if keep < 0:

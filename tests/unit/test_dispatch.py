@@ -428,58 +428,19 @@ def test_a_stalled_remote_prefill_stays_while_no_decode_worker_has_a_seat():
     assert run(scenario()) == 0
 
 
-def _old_on_the_tier_and_a_new_one_held_back(d, pool, clock, decode_busy=True):
+def _old_on_the_tier_and_a_new_one_held_back(d, pool, clock):
     """"old" (800 tokens) on the tier at 1,000 tok/s; "new" (800), sent at 101 with the tier
-    full (1,000 tokens of room), would be rescued on the decode worker, which runs a request
-    with no objective (all slack) since 101 (``decode_busy``; else it is idle)."""
+    full (1,000 tokens of room), would be rescued on the idle decode worker."""
     async def scenario():
         p0 = measured_prefill(pool, 10_000)  # 1,000 tok/s alone
         old = ticket("old", 800, ttft=3.0)
         grant = await d.acquire(old)
         asked = d.remote_started(p0, old)
         clock.now = 101.0
-        if decode_busy:
-            pool.by_address("d0").seats.add(d._seat(ticket("running", 10)))
         new = asyncio.create_task(d.acquire(ticket("new", 800, arrival=101.0, ttft=3.0)))
         await asyncio.sleep(0)
         return p0, old, grant, asked, new
     return scenario()
-
-
-def test_an_idle_decode_worker_beside_a_busy_tier_rescues_no_long_prompt_the_tier_would_answer_in_time():
-    """On one host the idle decode engine adds no cores: the tier has them. "new", which the
-    tier would answer in 2 s (1,600 tokens at the 800 tok/s "old" has had at most), within
-    its 3 s, waits for the tier rather than take the cores from "old", which is not moved
-    while the tier is not overdue and it can still make its objective
-    (`placement.rescue_long`)."""
-    async def scenario():
-        d, pool, clock = dispatcher(prefill_queue_tokens=1000)
-        p0, old, _, asked, new = await _old_on_the_tier_and_a_new_one_held_back(d, pool, clock, decode_busy=False)
-        out = [asked.is_set(), new.done(), d.move_stalled(p0, old, waited_s=1.0)]
-        d.prefill_done(p0, old, num_cached_tokens=0)  # the tier answers "old": "new" takes the tier
-        placed = await asyncio.wait_for(new, 0.1)
-        return out + [placed.placement.where]
-
-    assert run(scenario()) == [False, False, None, Where.REMOTE]
-
-
-@pytest.mark.parametrize("objective_s, waited_s", [(5.0, 5.5), (20.0, 8.5)])
-def test_a_prompt_past_its_objective_or_on_an_overdue_tier_moves_to_an_idle_decode_worker_beside_it(
-        objective_s, waited_s):
-    """800 tokens on a tier at 200 tok/s alone: 4 s, overdue past 8 s. Before either, the
-    tier keeps it; past its objective, or on the overdue tier (stopped, hung), it moves."""
-    async def scenario():
-        d, pool, clock = dispatcher(prefill_queue_tokens=1000)
-        p0 = measured_prefill(pool, 2000)  # 200 tok/s alone
-        old = ticket("old", 800, ttft=objective_s)
-        assert (await d.acquire(old)).placement.where is Where.REMOTE
-        clock.now = 102.0
-        kept = d.move_stalled(p0, old, waited_s=2.0)
-        clock.now = 100.0 + waited_s
-        moved = d.move_stalled(p0, old, waited_s=waited_s)
-        return kept, moved.placement.where, (p0.queued_tokens, p0.num_prefills)
-
-    assert run(scenario()) == (None, Where.LOCAL, (0, 0))
 
 
 def test_a_rescue_is_offered_first_to_an_older_prompt_waiting_on_the_tier_of_the_same_host():

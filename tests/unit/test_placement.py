@@ -378,24 +378,3 @@ def test_the_soonest_local_first_token_comes_from_measured_fits_of_workers_with_
     rate_only = decode("d2", tps=1000.0)  # a rate bound, not a measured time
     assert soonest_local_ttft_s(50, 100, [fitted, faster_full, rate_only]) == pytest.approx(0.25)
     assert soonest_local_ttft_s(50, 100, [faster_full, rate_only]) is None
-
-
-def test_an_idle_decode_worker_that_shares_its_cores_with_a_busy_tier_rescues_only_what_the_tier_would_miss():
-    fast, slow = [prefill(queued=900, tps=1000.0)], [prefill(queued=900, tps=200.0)]  # full: no room for 800
-    beside = [replace(decode(tps=1000.0), tier_busy_beside=True)]
-    assert rescue_long(800, 900, beside, CFG) is None
-    assert rescue_long(800, 900, beside, CFG, beside_busy_tier=True).where is Where.LOCAL
-    # The tier would answer in (900 + 800) / 1,000 = 1.7 s, within 3 s: it waits for the tier.
-    assert place(800, 900, fast, beside, CFG, ttft_budget_s=3.0) is None
-    # At 200 tok/s, 8.5 s: it would miss waiting, so it goes ahead of the tier's prompt.
-    assert place(800, 900, slow, beside, CFG, ttft_budget_s=3.0).where is Where.LOCAL
-    # A prompt on the tier stays there (the tier keeps its work) until past its objective.
-    assert move_stalled(800, 900, beside, CFG, ttft_budget_s=1.0) is None
-    assert move_stalled(800, 900, beside, CFG, ttft_budget_s=-0.1).where is Where.LOCAL
-    # A decode worker with requests running rescues within their slack (the tier at idle
-    # priority is starved beside them); short prompts keep their own rules.
-    busy = [replace(decode(running=1, tps=1000.0, slack=3.0), tier_busy_beside=True)]
-    assert place(800, 900, fast, busy, CFG, ttft_budget_s=3.0).where is Where.LOCAL
-    assert place(100, 200, fast, beside, CFG).where is Where.LOCAL
-    # The same idle worker on a host of its own takes the rescue.
-    assert place(800, 900, fast, [decode(tps=1000.0)], CFG, ttft_budget_s=3.0).where is Where.LOCAL

@@ -157,7 +157,7 @@ class Dispatcher:
             metrics.PLACEMENTS.labels(placement.where.value).inc()
             if self._count_rescue(ticket, placement) and self._workers.routable("prefill"):
                 logger.info("request %s: its %d-token prompt is prefilled on decode worker %s (predicted %s, "
-                            "%.2f s after it came), the prefill tier too slow for its objective",
+                            "%.2f s after it came), the prefill tier full or too slow for its objective",
                             ticket.request_id, ticket.num_prompt_tokens, placement.worker,
                             "nothing" if placement.predicted_ttft_s is None else f"{placement.predicted_ttft_s:.2f} s",
                             now - ticket.arrival_s)

@@ -34,8 +34,8 @@ def start_quiet_thread(target, *args: object) -> threading.Thread:
     """A daemon thread that never takes SIGINT or SIGTERM, so that the kernel hands them to
     the main thread, the only one where Python runs their handlers. Taken by a helper thread
     blocked in a read, the handler waits for the main thread's next bytecode, which a main
-    thread asleep in epoll does not run: `pdserve bench` sent SIGTERM while a server's
-    output pump took it stayed up until its sleep ended (600 s in the test of it). The mask
+    thread asleep in epoll does not run: in the test of it, a bench command asleep for
+    600 s whose server's output pump took SIGTERM was still running 30 s later. The mask
     is set before the thread starts, so no signal finds it unmasked."""
     thread = threading.Thread(target=target, args=args, daemon=True)
     old = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)

@@ -316,7 +316,8 @@ def test_pdserve_up_stopped_with_calls_queued_at_its_gateway_serves_them_before_
                 call.join(120)
             answered = time.monotonic()
         code = proc.wait(2 * STOP_GRACE_S + 60)
-        took, after_answers = time.monotonic() - stopped, time.monotonic() - answered
+        ended = time.monotonic()
+        took, after_answers = ended - stopped, ended - answered
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -38,6 +38,12 @@ from pdserve import rpc
 
 logger = logging.getLogger(__name__)
 
+
+def predicted_s(value: float | None) -> str:
+    """A predicted time as the log lines write it ("nothing": none predicted)."""
+    return "nothing" if value is None else f"{value:.2f} s"
+
+
 # A queued call cancelled this close to its deadline was cancelled by the deadline.
 DEADLINE_TOLERANCE_S = 0.05
 # The longest a queued request with a TTFT objective waits between two forecasts of it.
@@ -159,7 +165,7 @@ class Dispatcher:
                 logger.info("request %s: its %d-token prompt is prefilled on decode worker %s (predicted %s, "
                             "%.2f s after it came), the prefill tier full or too slow for its objective",
                             ticket.request_id, ticket.num_prompt_tokens, placement.worker,
-                            "nothing" if placement.predicted_ttft_s is None else f"{placement.predicted_ttft_s:.2f} s",
+                            predicted_s(placement.predicted_ttft_s),
                             now - ticket.arrival_s)
             self._waiting.pop(ticket).set_result(Grant(placement, seat))
         self._refuse_predicted_late(now)

@@ -33,7 +33,7 @@ import grpc
 
 from gateway import metrics
 from gateway.decode_stream import DecodeStreams
-from gateway.dispatch import ClassObjectives, Dispatcher, Grant
+from gateway.dispatch import ClassObjectives, Dispatcher, Grant, predicted_s
 from gateway.placement import PlacementConfig, Where
 from gateway.queue import ClassPolicy, Priority, RequestQueue, Ticket, deadline_precision_s
 from gateway.request import Job, check_prompt_fits, parse_request
@@ -267,9 +267,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                     moved = True
                     logger.info("request %s: prefill worker %s did not answer in %.2f s (predicted %s%s); "
                                 "prefilling on decode worker %s (predicted %s)", job.request_id, worker.address,
-                                waited_s, _seconds(grant.placement.predicted_ttft_s),
+                                waited_s, predicted_s(grant.placement.predicted_ttft_s),
                                 ", offered ahead of a newer prompt's rescue" if offered else "",
-                                local.placement.worker, _seconds(local.placement.predicted_ttft_s))
+                                local.placement.worker, predicted_s(local.placement.predicted_ttft_s))
                     return local
                 if offered:
                     asked.clear()
@@ -341,10 +341,6 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 task = asyncio.ensure_future(_quiet(worker.stub.Release(worker_pb2.ReleaseRequest(kv=kv), timeout=5)))
                 self._releases.add(task)
                 task.add_done_callback(self._releases.discard)
-
-
-def _seconds(value: float | None) -> str:
-    return "nothing" if value is None else f"{value:.2f} s"
 
 
 async def _quiet(call) -> None:
